@@ -1,0 +1,343 @@
+// ops_bench.cc: Google Benchmark timings of the four mHC operations (mhc/ops.h) on the CPU, next
+// to the machine's own memcpy bandwidth measured in the same run.
+//
+// Why: every operation is memory bound, so the useful number is not seconds but how close an op
+// comes to the copy bandwidth. Each op reports the spec's minimum traffic ("Minimum memory
+// traffic" in spec/mhc.md) as bytes processed and as a GB/s counter; the memcpy benchmarks (run
+// first, with one thread and with mhc::num_threads() threads) give the limit, and every op
+// reports fraction_of_copy = its GB/s / the multi-threaded memcpy GB/s.
+//
+// Cases: T = 4096 tokens, n = 4 streams, D in {1024, 4096}, activations f32 or bf16, Sinkhorn
+// mixing, plus permutation mixing for pre_forward and pre_backward at D = 1024 f32.
+// Inputs are random (fixed seed) with alpha = {1, 1, 1} and a random bias so that the
+// coefficients are non-trivial; h_pre/h_post/h_res, dx_partial etc. come from running the
+// sublayer once in setup. One case's buffers (at most ~1.6 GiB, at D = 4096 f32) are alive at a
+// time: they are built when the first benchmark of a case runs and reused by its other ops and by
+// the library's repeated calls of the same benchmark, then freed when the next case starts.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "mhc/config.h"
+#include "mhc/ops.h"
+#include "mhc/tensor.h"
+
+namespace {
+
+constexpr int64_t kTokens = 4096;
+constexpr int64_t kStreams = 4;
+constexpr size_t kCopyBytes = size_t{256} << 20;  // 256 MiB source, 256 MiB destination
+
+// Multi-threaded memcpy bandwidth of the latest (hence longest) memcpy run, the denominator of
+// fraction_of_copy; 0 until that benchmark has run (e.g. when filtered out).
+double g_copy_gbps = 0.0;
+
+enum class Op { pre_forward, post_forward, post_backward, pre_backward };
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::pre_forward: return "pre_forward";
+    case Op::post_forward: return "post_forward";
+    case Op::post_backward: return "post_backward";
+    case Op::pre_backward: return "pre_backward";
+  }
+  return "?";
+}
+
+// Spec minimum traffic per token, in activation elements of D (multiply by D * e).
+int64_t traffic_units(Op op, int64_t n) {
+  switch (op) {
+    case Op::pre_forward: return n + 1;
+    case Op::post_forward: return 2 * n + 1;
+    case Op::post_backward: return 3 * n + 2;
+    case Op::pre_backward: return 3 * n + 1;
+  }
+  return 0;
+}
+
+struct Case {
+  mhc::DType dtype;
+  int64_t dim;
+  mhc::Mix mix;
+  bool operator==(const Case& o) const {
+    return dtype == o.dtype && dim == o.dim && mix == o.mix;
+  }
+};
+
+// "Normal-ish" values: the sum of four uniforms on [-0.5, 0.5), scaled to unit variance. Much
+// cheaper than std::normal_distribution for the ~100M values a D = 4096 case needs.
+class Noise {
+ public:
+  explicit Noise(uint32_t seed) : engine_(seed) {}
+  float next() {
+    const uint32_t a = static_cast<uint32_t>(engine_());
+    const uint32_t b = static_cast<uint32_t>(engine_());
+    const float sum = static_cast<float>(a & 0xffffu) + static_cast<float>(a >> 16) +
+                      static_cast<float>(b & 0xffffu) + static_cast<float>(b >> 16);
+    return (sum / 65536.0f - 2.0f) * 1.7320508f;  // var of 4 uniforms = 1/3
+  }
+
+ private:
+  std::mt19937 engine_;
+};
+
+// An activation buffer of either dtype, zero-filled (so every page is touched) or random.
+struct Activation {
+  mhc::DType dtype;
+  std::vector<float> f32;
+  std::vector<mhc::bf16> bf16;
+
+  Activation(mhc::DType type, int64_t count) : dtype(type) {
+    if (dtype == mhc::DType::f32) {
+      f32.assign(static_cast<size_t>(count), 0.0f);
+    } else {
+      bf16.assign(static_cast<size_t>(count), mhc::bf16{});
+    }
+  }
+  void randomize(Noise& noise) {
+    for (float& v : f32) v = noise.next();
+    for (mhc::bf16& v : bf16) v = mhc::to_bf16(noise.next());
+  }
+  mhc::MutableTensorRef ref(std::initializer_list<int64_t> dims) {
+    if (dtype == mhc::DType::f32) return mhc::MutableTensorRef(f32.data(), dims);
+    return mhc::MutableTensorRef(bf16.data(), dims);
+  }
+};
+
+// Everything one case needs for all four operations, built once.
+struct Workspace {
+  Case key;
+  mhc::Config config;
+  int64_t T, n, D, M, N;
+  // Parameters and their gradients (f32).
+  std::vector<float> norm_weight, phi, alpha, bias;
+  std::vector<float> d_norm_weight, d_phi, d_alpha, d_bias;
+  // Coefficients and their gradients (f32).
+  std::vector<float> h_pre, h_post, h_res, dh_post, dh_res;
+  // Activations in the case's dtype.
+  Activation x, layer_in, layer_out, out, g, dx_partial, dlayer_out, dlayer_in, dx;
+
+  explicit Workspace(const Case& c)
+      : key(c),
+        T(kTokens),
+        n(kStreams),
+        D(c.dim),
+        M(kStreams * c.dim),
+        N(0),
+        x(c.dtype, T * n * D),
+        layer_in(c.dtype, T * D),
+        layer_out(c.dtype, T * D),
+        out(c.dtype, T * n * D),
+        g(c.dtype, T * n * D),
+        dx_partial(c.dtype, T * n * D),
+        dlayer_out(c.dtype, T * D),
+        dlayer_in(c.dtype, T * D),
+        dx(c.dtype, T * n * D) {
+    config.n = n;
+    config.dim = D;
+    config.mix = c.mix;
+    N = mhc::projection_width(config);
+
+    Noise noise(12345);
+    // Spec init (norm_weight ones), but alpha of order 1 and a random bias so the gates and the
+    // mix are far from constant. phi ~ N(0, 1/M) keeps Z = RMSNorm(x) . phi of order 1.
+    norm_weight.assign(static_cast<size_t>(M), 1.0f);
+    phi.resize(static_cast<size_t>(M * N));
+    const float phi_scale = 1.0f / std::sqrt(static_cast<float>(M));
+    for (float& v : phi) v = phi_scale * noise.next();
+    alpha = {1.0f, 1.0f, 1.0f};
+    bias.resize(static_cast<size_t>(N));
+    for (float& v : bias) v = noise.next();
+    d_norm_weight.assign(norm_weight.size(), 0.0f);
+    d_phi.assign(phi.size(), 0.0f);
+    d_alpha.assign(3, 0.0f);
+    d_bias.assign(bias.size(), 0.0f);
+    h_pre.assign(static_cast<size_t>(T * n), 0.0f);
+    h_post.assign(h_pre.size(), 0.0f);
+    dh_post.assign(h_pre.size(), 0.0f);
+    h_res.assign(static_cast<size_t>(T * n * n), 0.0f);
+    dh_res.assign(h_res.size(), 0.0f);
+
+    x.randomize(noise);
+    layer_out.randomize(noise);  // stands in for F(layer_in)
+    g.randomize(noise);
+    dlayer_in.randomize(noise);  // stands in for the backward of F
+
+    // One sublayer forward and backward: valid coefficients, dx_partial and dh_* for the timed
+    // calls, and a warm-up of the thread pool and every buffer.
+    run(Op::pre_forward);
+    run(Op::post_forward);
+    run(Op::post_backward);
+    run(Op::pre_backward);
+  }
+
+  mhc::Params params() const {
+    return {mhc::TensorRef(norm_weight.data(), {M}), mhc::TensorRef(phi.data(), {M, N}),
+            mhc::TensorRef(alpha.data(), {3}), mhc::TensorRef(bias.data(), {N})};
+  }
+
+  void run(Op op) {
+    switch (op) {
+      case Op::pre_forward:
+        mhc::pre_forward(config, x.ref({T, n, D}), params(),
+                         {layer_in.ref({T, D}), mhc::MutableTensorRef(h_pre.data(), {T, n}),
+                          mhc::MutableTensorRef(h_post.data(), {T, n}),
+                          mhc::MutableTensorRef(h_res.data(), {T, n, n})});
+        break;
+      case Op::post_forward:
+        mhc::post_forward(config, x.ref({T, n, D}), layer_out.ref({T, D}),
+                          mhc::TensorRef(h_post.data(), {T, n}),
+                          mhc::TensorRef(h_res.data(), {T, n, n}), out.ref({T, n, D}));
+        break;
+      case Op::post_backward:
+        mhc::post_backward(config, g.ref({T, n, D}), x.ref({T, n, D}), layer_out.ref({T, D}),
+                           mhc::TensorRef(h_post.data(), {T, n}),
+                           mhc::TensorRef(h_res.data(), {T, n, n}),
+                           {dx_partial.ref({T, n, D}), dlayer_out.ref({T, D}),
+                            mhc::MutableTensorRef(dh_post.data(), {T, n}),
+                            mhc::MutableTensorRef(dh_res.data(), {T, n, n})});
+        break;
+      case Op::pre_backward:
+        mhc::pre_backward(config, dlayer_in.ref({T, D}), dx_partial.ref({T, n, D}),
+                          mhc::TensorRef(dh_post.data(), {T, n}),
+                          mhc::TensorRef(dh_res.data(), {T, n, n}), x.ref({T, n, D}), params(),
+                          dx.ref({T, n, D}),
+                          {mhc::MutableTensorRef(d_norm_weight.data(), {M}),
+                           mhc::MutableTensorRef(d_phi.data(), {M, N}),
+                           mhc::MutableTensorRef(d_alpha.data(), {3}),
+                           mhc::MutableTensorRef(d_bias.data(), {N})});
+        break;
+    }
+  }
+};
+
+// The one live workspace, or the memcpy buffers: never both, to keep peak memory down.
+std::unique_ptr<Workspace> g_workspace;
+std::unique_ptr<std::vector<char>[]> g_copy;  // [0] source, [1] destination
+
+Workspace& workspace_for(const Case& c) {
+  if (!g_workspace || !(g_workspace->key == c)) {
+    g_copy.reset();
+    g_workspace.reset();  // free the previous case before allocating the next
+    g_workspace = std::make_unique<Workspace>(c);
+  }
+  return *g_workspace;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void set_traffic(benchmark::State& state, double bytes_per_iteration) {
+  const double bytes = bytes_per_iteration * static_cast<double>(state.iterations());
+  state.SetBytesProcessed(static_cast<int64_t>(bytes));
+  state.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsRate);
+}
+
+void BM_op(benchmark::State& state, Op op, Case c) {
+  Workspace& ws = workspace_for(c);
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) ws.run(op);
+  const double elapsed = seconds_since(start);
+
+  const double bytes = static_cast<double>(traffic_units(op, ws.n) * ws.D * ws.T *
+                                           mhc::size_of(c.dtype));
+  set_traffic(state, bytes);
+  if (g_copy_gbps > 0.0 && elapsed > 0.0) {
+    const double gbps = bytes * static_cast<double>(state.iterations()) / elapsed / 1e9;
+    state.counters["fraction_of_copy"] = gbps / g_copy_gbps;
+  }
+}
+
+// Copies kCopyBytes split into `threads` contiguous chunks, one std::thread each (the calling
+// thread takes the first chunk).
+void BM_memcpy(benchmark::State& state, int threads) {
+  g_workspace.reset();
+  if (!g_copy) {
+    g_copy.reset(new std::vector<char>[2]);
+    g_copy[0].assign(kCopyBytes, 1);  // touch every page before timing
+    g_copy[1].assign(kCopyBytes, 0);
+  }
+  const char* src = g_copy[0].data();
+  char* dst = g_copy[1].data();
+  const size_t parts = static_cast<size_t>(threads);
+  const size_t chunk = (kCopyBytes + parts - 1) / parts;
+  auto copy_part = [&](int part) {
+    const size_t begin = std::min(kCopyBytes, chunk * static_cast<size_t>(part));
+    const size_t end = std::min(kCopyBytes, begin + chunk);
+    std::memcpy(dst + begin, src + begin, end - begin);
+  };
+
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    std::vector<std::thread> workers;
+    workers.reserve(static_cast<size_t>(threads - 1));
+    for (int part = 1; part < threads; ++part) workers.emplace_back(copy_part, part);
+    copy_part(0);
+    for (std::thread& w : workers) w.join();
+    benchmark::ClobberMemory();
+  }
+  const double elapsed = seconds_since(start);
+
+  const double bytes = 2.0 * static_cast<double>(kCopyBytes);  // read + write
+  set_traffic(state, bytes);
+  if (threads == mhc::num_threads() && elapsed > 0.0) {
+    g_copy_gbps = bytes * static_cast<double>(state.iterations()) / elapsed / 1e9;
+  }
+}
+
+void register_all() {
+  const int threads = mhc::num_threads();
+  benchmark::RegisterBenchmark("memcpy/256MiB/single_thread", BM_memcpy, 1)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+  const std::string multi = "memcpy/256MiB/threads:" + std::to_string(threads);
+  benchmark::RegisterBenchmark(multi.c_str(), BM_memcpy, threads)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime();
+
+  const Op ops[] = {Op::pre_forward, Op::post_forward, Op::post_backward, Op::pre_backward};
+  std::vector<Case> cases;
+  for (int64_t dim : {int64_t{1024}, int64_t{4096}}) {
+    for (mhc::DType dtype : {mhc::DType::f32, mhc::DType::bf16}) {
+      cases.push_back({dtype, dim, mhc::Mix::sinkhorn});
+    }
+  }
+  cases.push_back({mhc::DType::f32, 1024, mhc::Mix::permutations});
+
+  // Grouped by case so that each case's buffers are built once.
+  for (const Case& c : cases) {
+    for (Op op : ops) {
+      const bool perm = c.mix == mhc::Mix::permutations;
+      if (perm && op != Op::pre_forward && op != Op::pre_backward) continue;
+      std::string name = std::string(op_name(op)) + "/" + mhc::to_string(c.dtype) +
+                         "/D:" + std::to_string(c.dim);
+      if (perm) name += "/mix:permutations";
+      benchmark::RegisterBenchmark(name.c_str(), BM_op, op, c)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  g_workspace.reset();
+  g_copy.reset();
+  return 0;
+}

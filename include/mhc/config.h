@@ -1,0 +1,51 @@
+// mhc/config.h: the mHC configuration and the widths derived from it (spec: Shapes and names).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mhc {
+
+// How H_res, the doubly stochastic stream mix, is built from its logits.
+enum class Mix {
+  sinkhorn,      // softmax then alternating row/column normalization, R = n*n logits
+  permutations,  // convex mix of the n! permutation matrices ("mHC-lite"), R = n! logits
+};
+
+const char* to_string(Mix mix);
+
+// Largest stream counts the library accepts. Sinkhorn's per-token state is n*n floats; the
+// permutation mix has n! logits, so 6 (720 columns) is where it stops being "small".
+inline constexpr int64_t kMaxStreams = 16;
+inline constexpr int64_t kMaxPermutationStreams = 6;
+// The exact Sinkhorn backward keeps 2*iters+1 matrices per token; this bounds that scratch.
+inline constexpr int64_t kMaxSinkhornIters = 10000;
+
+struct Config {
+  int64_t n = 4;     // streams
+  int64_t dim = 0;   // D, features per stream
+  Mix mix = Mix::sinkhorn;
+  int64_t sinkhorn_iters = 20;
+  float sinkhorn_eps = 1e-6f;
+  float rms_eps = 1e-6f;
+  float pre_eps = 1e-6f;
+  float post_scale = 2.0f;
+};
+
+// M = n*D: one token's flattened streams.
+int64_t flat_width(const Config& config);
+// R: n*n for Sinkhorn, n! for permutations.
+int64_t residual_logits(const Config& config);
+// N = 2n + R: columns of phi and entries of bias.
+int64_t projection_width(const Config& config);
+
+// Throws mhc::Error naming the field when the config is outside what the spec allows:
+// 1 <= n <= 16 (<= 6 for permutations), D >= 1, 1 <= sinkhorn_iters <= 10000,
+// eps values finite and >= 0 with rms_eps > 0, post_scale finite.
+void validate(const Config& config, const char* op = "mhc::Config");
+
+// The p-th permutation of range(n) in lexicographic order (p = 0 is the identity):
+// result[i] = perm_p(i). Requires 0 <= p < n!.
+std::vector<int> permutation(int64_t n, int64_t p);
+
+}  // namespace mhc

@@ -1,0 +1,87 @@
+// mhc/ops.h: the four mHC operations on the CPU, split the way a framework's custom VJP needs.
+//
+// Forward of one sublayer:   pre_forward -> (caller runs F on layer_in) -> post_forward
+// Backward of one sublayer:  post_backward -> (caller back-propagates through F) -> pre_backward
+//
+// Dtypes. Coefficients (h_pre, h_post, h_res and their gradients) and parameters (and their
+// gradients) are always f32. Activations are f32 or bf16: tensors shaped like x or layer_in
+// (x, layer_in, out, g, dx_partial, dlayer_in, dx) share the dtype of x; layer_out and
+// dlayer_out share the dtype of layer_out. Math is f32; bf16 is rounded once, at the store.
+//
+// Threads. Work is split into token tiles run on a shared pool (set_num_threads, or the
+// MHC_NUM_THREADS environment variable read at first use). Every result, parameter gradients
+// included, is bitwise identical for any thread count: tiles and reduction order depend only on
+// the shapes. Calls from several threads at once are safe; a call that finds the pool busy runs
+// on its own thread.
+//
+// Errors. Every entry point validates the config and every view (null data, dtype, shape,
+// byte sizes that overflow) and throws mhc::Error naming the argument before touching memory.
+// T = x.shape[0] may be 0: nothing is read, and parameter gradients are set to zero.
+#pragma once
+
+#include <cstdint>
+
+#include "mhc/config.h"
+#include "mhc/error.h"
+#include "mhc/tensor.h"
+
+namespace mhc {
+
+// Parameters (spec: Shapes and names), all f32: norm_weight [M], phi [M, N], alpha [3],
+// bias [N], with phi's columns [pre 0:n | post n:2n | res 2n:N].
+struct Params {
+  TensorRef norm_weight;
+  TensorRef phi;
+  TensorRef alpha;
+  TensorRef bias;
+};
+
+// Their gradients, same shapes, f32. pre_backward overwrites them (it does not accumulate).
+struct ParamGrads {
+  MutableTensorRef norm_weight;
+  MutableTensorRef phi;
+  MutableTensorRef alpha;
+  MutableTensorRef bias;
+};
+
+// x [T, n, D] -> layer_in [T, D], h_pre [T, n], h_post [T, n], h_res [T, n, n]
+// (spec: Forward steps 1-6, one pass over each token tile of x).
+struct PreForwardOutputs {
+  MutableTensorRef layer_in;
+  MutableTensorRef h_pre;
+  MutableTensorRef h_post;
+  MutableTensorRef h_res;
+};
+void pre_forward(const Config& config, const TensorRef& x, const Params& params,
+                 const PreForwardOutputs& outputs);
+
+// out[t,j,d] = sum_i h_res[t,i,j] x[t,i,d] + h_post[t,j] layer_out[t,d]   (spec: step 8).
+// out [T, n, D] has the dtype of x.
+void post_forward(const Config& config, const TensorRef& x, const TensorRef& layer_out,
+                  const TensorRef& h_post, const TensorRef& h_res, const MutableTensorRef& out);
+
+// g = dL/dout [T, n, D] -> dx_partial [T, n, D] (the part of dx that flows through H_res),
+// dlayer_out [T, D], dh_post [T, n], dh_res [T, n, n]   (spec: Backward, Post).
+struct PostBackwardOutputs {
+  MutableTensorRef dx_partial;
+  MutableTensorRef dlayer_out;
+  MutableTensorRef dh_post;
+  MutableTensorRef dh_res;
+};
+void post_backward(const Config& config, const TensorRef& g, const TensorRef& x,
+                   const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                   const PostBackwardOutputs& outputs);
+
+// dlayer_in [T, D], dx_partial [T, n, D], dh_post [T, n], dh_res [T, n, n] -> dx [T, n, D] and
+// the parameter gradients. Recomputes r, P, the gates and every Sinkhorn step from x, so nothing
+// but x has to be kept from the forward; dx = dx_partial + (pre-apply and coefficient terms).
+void pre_backward(const Config& config, const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                  const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                  const Params& params, const MutableTensorRef& dx, const ParamGrads& grads);
+
+// Threads used by the operations; values < 1 restore the default (MHC_NUM_THREADS, else the
+// number of hardware threads).
+void set_num_threads(int threads);
+int num_threads();
+
+}  // namespace mhc

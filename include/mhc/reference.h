@@ -1,0 +1,53 @@
+// mhc/reference.h: the float64 reference of the four operations, the test oracle and the readable
+// definition. Plain loops that mirror ../spec/mhc.md line by line; no tiling, no threads, no SIMD.
+// Tensors are row-major std::vector<double> with the shapes listed in mhc/ops.h; T is inferred
+// from x.size() / (n*D). These functions do not validate; they are for tests and reading.
+#pragma once
+
+#include <vector>
+
+#include "mhc/config.h"
+
+namespace mhc::reference {
+
+using Vec = std::vector<double>;
+
+struct Params {
+  Vec norm_weight;  // [M]
+  Vec phi;          // [M, N]
+  Vec alpha;        // [3]
+  Vec bias;         // [N]
+};
+
+struct PreForward {
+  Vec layer_in;  // [T, D]
+  Vec h_pre;     // [T, n]
+  Vec h_post;    // [T, n]
+  Vec h_res;     // [T, n, n]
+};
+PreForward pre_forward(const Config& config, const Vec& x, const Params& params);
+
+Vec post_forward(const Config& config, const Vec& x, const Vec& layer_out, const Vec& h_post,
+                 const Vec& h_res);
+
+struct PostBackward {
+  Vec dx_partial;  // [T, n, D]
+  Vec dlayer_out;  // [T, D]
+  Vec dh_post;     // [T, n]
+  Vec dh_res;      // [T, n, n]
+};
+PostBackward post_backward(const Config& config, const Vec& g, const Vec& x, const Vec& layer_out,
+                           const Vec& h_post, const Vec& h_res);
+
+struct PreBackward {
+  Vec dx;  // [T, n, D]
+  Params grads;
+};
+PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
+                         const Vec& dh_post, const Vec& dh_res, const Vec& x,
+                         const Params& params);
+
+// H_res of one token from its R residual logits (spec: Forward step 5).
+Vec mix_matrix(const Config& config, const double* residual_logits);
+
+}  // namespace mhc::reference

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs what building and testing mhc needs, from Debian's packages, only where missing.
+set -euo pipefail
+
+packages=(cmake g++ make libgtest-dev libbenchmark-dev)
+missing=()
+for package in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+echo "setup: installing ${missing[*]}"
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then
+    sudo apt-get update -qq && sudo apt-get install -y -qq "${missing[@]}"
+  else
+    echo "setup: missing packages ${missing[*]}; install them as root: apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+else
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi

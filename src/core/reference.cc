@@ -1,0 +1,286 @@
+// The float64 reference: each function is the spec's formulas as plain loops, one token at a time.
+#include "mhc/reference.h"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace mhc::reference {
+
+namespace {
+
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+// Row-wise softmax of an n x n matrix.
+Vec softmax_rows(const double* logits, int64_t n) {
+  Vec result(static_cast<size_t>(n * n));
+  for (int64_t i = 0; i < n; ++i) {
+    double largest = logits[i * n];
+    for (int64_t j = 1; j < n; ++j) largest = std::fmax(largest, logits[i * n + j]);
+    double total = 0.0;
+    for (int64_t j = 0; j < n; ++j) total += std::exp(logits[i * n + j] - largest);
+    for (int64_t j = 0; j < n; ++j) result[i * n + j] = std::exp(logits[i * n + j] - largest) / total;
+  }
+  return result;
+}
+
+Vec softmax(const double* logits, int64_t count) {
+  double largest = logits[0];
+  for (int64_t p = 1; p < count; ++p) largest = std::fmax(largest, logits[p]);
+  double total = 0.0;
+  for (int64_t p = 0; p < count; ++p) total += std::exp(logits[p] - largest);
+  Vec result(static_cast<size_t>(count));
+  for (int64_t p = 0; p < count; ++p) result[p] = std::exp(logits[p] - largest) / total;
+  return result;
+}
+
+// One normalization step Y = X / (sums + eps), over rows or over columns, kept for the backward.
+struct SinkhornStep {
+  bool over_columns;
+  Vec sums;    // [n]
+  Vec result;  // Y, n x n
+};
+
+struct SinkhornTrace {
+  Vec softmax;  // before + eps
+  std::vector<SinkhornStep> steps;
+};
+
+SinkhornStep normalize(const Vec& matrix, int64_t n, bool over_columns, double eps) {
+  SinkhornStep step{over_columns, Vec(static_cast<size_t>(n), 0.0), matrix};
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) step.sums[over_columns ? j : i] += matrix[i * n + j];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < n; ++j) step.result[i * n + j] /= step.sums[over_columns ? j : i] + eps;
+  }
+  return step;
+}
+
+// Spec step 5 (sinkhorn): softmax over rows + eps, a column step, then (row, column) x (iters-1).
+SinkhornTrace sinkhorn(const Config& config, const double* logits) {
+  const int64_t n = config.n;
+  const double eps = config.sinkhorn_eps;
+  SinkhornTrace trace;
+  trace.softmax = softmax_rows(logits, n);
+  Vec current = trace.softmax;
+  for (double& v : current) v += eps;
+  trace.steps.push_back(normalize(current, n, true, eps));
+  for (int64_t iter = 1; iter < config.sinkhorn_iters; ++iter) {
+    trace.steps.push_back(normalize(trace.steps.back().result, n, false, eps));
+    trace.steps.push_back(normalize(trace.steps.back().result, n, true, eps));
+  }
+  return trace;
+}
+
+// Gradient of the residual logits from dH_res (spec: Backward, Sinkhorn and Permutations).
+Vec mix_matrix_backward(const Config& config, const double* logits, const double* dh_res) {
+  const int64_t n = config.n;
+  if (config.mix == Mix::permutations) {
+    const int64_t count = residual_logits(config);
+    const Vec weights = softmax(logits, count);
+    Vec dweights(static_cast<size_t>(count), 0.0);
+    double weighted = 0.0;
+    for (int64_t p = 0; p < count; ++p) {
+      const std::vector<int> perm = permutation(n, p);
+      for (int64_t i = 0; i < n; ++i) dweights[p] += dh_res[i * n + perm[i]];
+      weighted += weights[p] * dweights[p];
+    }
+    Vec dlogits(static_cast<size_t>(count));
+    for (int64_t p = 0; p < count; ++p) dlogits[p] = weights[p] * (dweights[p] - weighted);
+    return dlogits;
+  }
+  const SinkhornTrace trace = sinkhorn(config, logits);
+  Vec dmatrix(dh_res, dh_res + n * n);  // gradient w.r.t. the latest result
+  for (size_t s = trace.steps.size(); s-- > 0;) {
+    const SinkhornStep& step = trace.steps[s];
+    Vec dots(static_cast<size_t>(n), 0.0);  // rowdot (or column dot) of dY with Y
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        dots[step.over_columns ? j : i] += dmatrix[i * n + j] * step.result[i * n + j];
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t k = step.over_columns ? j : i;
+        dmatrix[i * n + j] = (dmatrix[i * n + j] - dots[k]) / (step.sums[k] + config.sinkhorn_eps);
+      }
+    }
+  }
+  // dmatrix is now dS; the softmax backward (eps carries no gradient).
+  Vec dlogits(static_cast<size_t>(n * n));
+  for (int64_t i = 0; i < n; ++i) {
+    double dot = 0.0;
+    for (int64_t k = 0; k < n; ++k) dot += dmatrix[i * n + k] * trace.softmax[i * n + k];
+    for (int64_t j = 0; j < n; ++j) {
+      dlogits[i * n + j] = trace.softmax[i * n + j] * (dmatrix[i * n + j] - dot);
+    }
+  }
+  return dlogits;
+}
+
+// Everything the forward computes for one token before the pre-apply (spec: steps 1-5).
+struct TokenCoefficients {
+  double r = 0.0;
+  Vec P, Z, a;  // [N]
+  Vec h_pre, h_post, h_res;
+};
+
+TokenCoefficients token_coefficients(const Config& config, const double* x, const Params& params) {
+  const int64_t n = config.n;
+  const int64_t M = flat_width(config);
+  const int64_t N = projection_width(config);
+  TokenCoefficients tc;
+  double sum_squares = 0.0;
+  for (int64_t m = 0; m < M; ++m) sum_squares += x[m] * x[m];
+  tc.r = 1.0 / std::sqrt(sum_squares / static_cast<double>(M) + config.rms_eps);
+  tc.P.assign(static_cast<size_t>(N), 0.0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < N; ++c) tc.P[c] += x[m] * params.norm_weight[m] * params.phi[m * N + c];
+  }
+  tc.Z.resize(static_cast<size_t>(N));
+  tc.a.resize(static_cast<size_t>(N));
+  for (int64_t c = 0; c < N; ++c) {
+    const int group = c < n ? 0 : (c < 2 * n ? 1 : 2);
+    tc.Z[c] = tc.r * tc.P[c];
+    tc.a[c] = params.alpha[group] * tc.Z[c] + params.bias[c];
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    tc.h_pre.push_back(sigmoid(tc.a[k]) + config.pre_eps);
+    tc.h_post.push_back(config.post_scale * sigmoid(tc.a[n + k]));
+  }
+  tc.h_res = mix_matrix(config, tc.a.data() + 2 * n);
+  return tc;
+}
+
+}  // namespace
+
+Vec mix_matrix(const Config& config, const double* logits) {
+  const int64_t n = config.n;
+  if (config.mix == Mix::sinkhorn) return sinkhorn(config, logits).steps.back().result;
+  const int64_t count = residual_logits(config);
+  const Vec weights = softmax(logits, count);
+  Vec h_res(static_cast<size_t>(n * n), 0.0);
+  for (int64_t p = 0; p < count; ++p) {
+    const std::vector<int> perm = permutation(n, p);
+    for (int64_t i = 0; i < n; ++i) h_res[i * n + perm[i]] += weights[p];
+  }
+  return h_res;
+}
+
+PreForward pre_forward(const Config& config, const Vec& x, const Params& params) {
+  const int64_t n = config.n, D = config.dim, M = flat_width(config);
+  const int64_t T = static_cast<int64_t>(x.size()) / M;
+  PreForward out{Vec(static_cast<size_t>(T * D), 0.0), {}, {}, {}};
+  for (int64_t t = 0; t < T; ++t) {
+    const double* xt = x.data() + t * M;
+    const TokenCoefficients tc = token_coefficients(config, xt, params);
+    for (int64_t k = 0; k < n; ++k) {
+      for (int64_t d = 0; d < D; ++d) out.layer_in[t * D + d] += tc.h_pre[k] * xt[k * D + d];
+    }
+    out.h_pre.insert(out.h_pre.end(), tc.h_pre.begin(), tc.h_pre.end());
+    out.h_post.insert(out.h_post.end(), tc.h_post.begin(), tc.h_post.end());
+    out.h_res.insert(out.h_res.end(), tc.h_res.begin(), tc.h_res.end());
+  }
+  return out;
+}
+
+Vec post_forward(const Config& config, const Vec& x, const Vec& layer_out, const Vec& h_post,
+                 const Vec& h_res) {
+  const int64_t n = config.n, D = config.dim;
+  const int64_t T = static_cast<int64_t>(x.size()) / (n * D);
+  Vec out(x.size(), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t d = 0; d < D; ++d) {
+        double value = h_post[t * n + j] * layer_out[t * D + d];
+        for (int64_t i = 0; i < n; ++i) value += h_res[(t * n + i) * n + j] * x[(t * n + i) * D + d];
+        out[(t * n + j) * D + d] = value;
+      }
+    }
+  }
+  return out;
+}
+
+PostBackward post_backward(const Config& config, const Vec& g, const Vec& x, const Vec& layer_out,
+                           const Vec& h_post, const Vec& h_res) {
+  const int64_t n = config.n, D = config.dim;
+  const int64_t T = static_cast<int64_t>(x.size()) / (n * D);
+  PostBackward out{Vec(x.size(), 0.0), Vec(static_cast<size_t>(T * D), 0.0),
+                   Vec(static_cast<size_t>(T * n), 0.0), Vec(static_cast<size_t>(T * n * n), 0.0)};
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t d = 0; d < D; ++d) {
+      for (int64_t j = 0; j < n; ++j) {
+        const double gj = g[(t * n + j) * D + d];
+        out.dlayer_out[t * D + d] += h_post[t * n + j] * gj;
+        out.dh_post[t * n + j] += layer_out[t * D + d] * gj;
+        for (int64_t i = 0; i < n; ++i) {
+          out.dh_res[(t * n + i) * n + j] += x[(t * n + i) * D + d] * gj;
+          out.dx_partial[(t * n + i) * D + d] += h_res[(t * n + i) * n + j] * gj;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
+                         const Vec& dh_post, const Vec& dh_res, const Vec& x,
+                         const Params& params) {
+  const int64_t n = config.n, D = config.dim, M = flat_width(config);
+  const int64_t N = projection_width(config);
+  const int64_t T = static_cast<int64_t>(x.size()) / M;
+  PreBackward out;
+  out.dx = dx_partial;
+  out.grads = Params{Vec(static_cast<size_t>(M), 0.0), Vec(static_cast<size_t>(M * N), 0.0),
+                     Vec(3, 0.0), Vec(static_cast<size_t>(N), 0.0)};
+  for (int64_t t = 0; t < T; ++t) {
+    const double* xt = x.data() + t * M;
+    const double* dli = dlayer_in.data() + t * D;
+    const TokenCoefficients tc = token_coefficients(config, xt, params);
+
+    // Pre-apply: dx += H_pre dli, dH_pre = <x_k, dli>.
+    Vec da(static_cast<size_t>(N), 0.0);
+    for (int64_t k = 0; k < n; ++k) {
+      double dh_pre = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        out.dx[t * M + k * D + d] += tc.h_pre[k] * dli[d];
+        dh_pre += xt[k * D + d] * dli[d];
+      }
+      // Gates (pre_eps carries no gradient).
+      const double s_pre = sigmoid(tc.a[k]);
+      da[k] = dh_pre * s_pre * (1.0 - s_pre);
+      const double s_post = sigmoid(tc.a[n + k]);
+      da[n + k] = dh_post[t * n + k] * config.post_scale * s_post * (1.0 - s_post);
+    }
+    const Vec dres = mix_matrix_backward(config, tc.a.data() + 2 * n, dh_res.data() + t * n * n);
+    for (int64_t c = 2 * n; c < N; ++c) da[c] = dres[c - 2 * n];
+
+    // Scales, biases, then back through Z = r P.
+    Vec dP(static_cast<size_t>(N));
+    double dr = 0.0;
+    for (int64_t c = 0; c < N; ++c) {
+      const int group = c < n ? 0 : (c < 2 * n ? 1 : 2);
+      out.grads.bias[c] += da[c];
+      out.grads.alpha[group] += da[c] * tc.Z[c];
+      const double dZ = params.alpha[group] * da[c];
+      dP[c] = tc.r * dZ;
+      dr += dZ * tc.P[c];
+    }
+
+    // Projection and the RMS statistic.
+    for (int64_t m = 0; m < M; ++m) {
+      double through_projection = 0.0;
+      for (int64_t c = 0; c < N; ++c) {
+        out.grads.phi[m * N + c] += params.norm_weight[m] * xt[m] * dP[c];
+        out.grads.norm_weight[m] += params.phi[m * N + c] * xt[m] * dP[c];
+        through_projection += dP[c] * params.norm_weight[m] * params.phi[m * N + c];
+      }
+      out.dx[t * M + m] +=
+          through_projection - dr * tc.r * tc.r * tc.r * xt[m] / static_cast<double>(M);
+    }
+  }
+  return out;
+}
+
+}  // namespace mhc::reference

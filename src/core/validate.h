@@ -1,0 +1,61 @@
+// Argument checks shared by every backend's entry points: config, view shapes, dtypes, null
+// data, byte sizes that overflow, and outputs that overlap other arguments.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <vector>
+
+#include "mhc/config.h"
+#include "mhc/ops.h"
+#include "mhc/tensor.h"
+
+namespace mhc::detail {
+
+// Sizes of one call once its arguments are known to be consistent.
+struct Dims {
+  int64_t T = 0;  // tokens
+  int64_t n = 0;  // streams
+  int64_t D = 0;  // features per stream
+  int64_t M = 0;  // n*D
+  int64_t R = 0;  // residual logits
+  int64_t N = 0;  // projection width 2n + R
+};
+
+// Validates one call; every message starts with the operation's name. Construct it (checks the
+// config), call tokens() on the tensor that defines T, then tensor()/output() for the rest, then
+// finish() to reject outputs that overlap any other argument.
+class ArgumentChecker {
+ public:
+  ArgumentChecker(const char* op, const Config& config);
+
+  // A [T, n, D] tensor of any supported dtype; sets dims().T.
+  void tokens(const char* name, const TensorRef& view);
+  // A tensor whose shape must equal `expected` and whose dtype must equal `dtype`.
+  void tensor(const char* name, const TensorRef& view, std::initializer_list<int64_t> expected,
+              DType dtype);
+  void output(const char* name, const MutableTensorRef& view,
+              std::initializer_list<int64_t> expected, DType dtype);
+  void params(const Params& params);
+  void grads(const ParamGrads& grads);
+  void finish() const;
+
+  const Dims& dims() const { return dims_; }
+
+ private:
+  struct Span {
+    std::string name;
+    uintptr_t begin;
+    uintptr_t end;
+    bool written;
+  };
+  void check_view(const char* name, const TensorRef& view, const std::vector<int64_t>& expected,
+                  DType dtype, bool written);
+
+  const char* op_;
+  Dims dims_;
+  std::vector<Span> spans_;
+};
+
+}  // namespace mhc::detail

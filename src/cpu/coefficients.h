@@ -1,0 +1,53 @@
+// Per-token coefficient math (spec: Forward steps 3-5 and Backward from the gates to dP): logits
+// from the projection, the gates, H_res by Sinkhorn or permutations, and the exact backward
+// through every Sinkhorn step. One instance per worker; it owns the Sinkhorn history so the
+// per-token calls never allocate.
+//
+// Precision: the spec asks for at least f32. The work here is O(iters * n^2) per token, tiny next
+// to the O(n D N) projection, so it runs in double: the softmax-gradient rows sum to zero, and
+// dalpha sums such cancelling terms over all tokens, which f32 would leave at ~1e-5 relative.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mhc/config.h"
+
+namespace mhc::cpu {
+
+class TokenCoefficients {
+ public:
+  TokenCoefficients(const Config& config, const float* alpha, const float* bias);
+
+  // From P [N] and r: h_pre [n], h_post [n], h_res [n*n]. Keeps the logits and the Sinkhorn
+  // history of this token for a following backward().
+  void forward(const float* P, float r, float* h_pre, float* h_post, float* h_res);
+
+  // After forward() on the same token: from dh_pre, dh_post, dh_res to dP [N] (in f32 for the
+  // input gradient, in double for the weight gradient) and dr; adds this token's terms to
+  // dalpha [3] and dbias [N].
+  void backward(const float* P, float r, const float* dh_pre, const float* dh_post,
+                const float* dh_res, float* dP, double* dP_wide, float* dr, double* dalpha,
+                double* dbias);
+
+ private:
+  void sinkhorn_forward(float* h_res);
+  void sinkhorn_backward(const float* dh_res, double* dlogits);
+  void permutations_forward(float* h_res);
+  void permutations_backward(const float* dh_res, double* dlogits);
+
+  Config config_;
+  const float* alpha_;
+  const float* bias_;
+  int64_t n_, N_, R_;
+  std::vector<double> logits_;      // a [N]
+  std::vector<double> softmax_;      // Sinkhorn: row softmax [n*n]; permutations: weights [R]
+  std::vector<double> steps_;        // Sinkhorn step results, (2*iters - 1) x [n*n]
+  std::vector<double> sums_;         // Sinkhorn step sums, (2*iters - 1) x [n]
+  std::vector<double> gradient_;     // [n*n] and [R] work space for the backward
+  std::vector<double> dots_;         // [n]
+  std::vector<double> dlogits_;      // da [N]
+  std::vector<int> perm_targets_;   // permutations: perm_p(i) for all p, [R*n]
+};
+
+}  // namespace mhc::cpu

@@ -1,0 +1,181 @@
+// pre_backward on the CPU (spec: Backward from "Pre-apply" to the end).
+//
+// Per token tile, first sweep: recompute r, P (projection), the gates and the whole Sinkhorn
+// history; dH_pre = <x_k, dli>; the per-token coefficient backward gives dP and dr.
+// Second sweep over the same cached tile:
+//   dx = dx_partial + H_pre dli + dP (norm_weight * phi)^T - dr r^3 x / M
+//   G[c, m] += x[t, m] dP[t, c]           (then dphi = norm_weight * G, dnorm_weight = sum_c phi G)
+//
+// Determinism: tiles are grouped into chunks whose boundaries depend on the shapes only. A chunk
+// runs its tiles in order on one worker and owns double accumulators for G, dalpha and dbias
+// (see accumulate_weight_grad for why double); the chunks are summed in chunk order at the end.
+// No result depends on the thread count.
+#include <cmath>
+#include <type_traits>
+
+#include "coefficients.h"
+#include "kernels.h"
+#include "thread_pool.h"
+#include "tiles.h"
+
+namespace mhc::cpu {
+
+namespace {
+
+// Chunks of tiles, each with its own [N, M] gradient accumulator: up to 16 for parallelism, but
+// no more than about 256 MiB of accumulators in all.
+int64_t chunk_count(int64_t tiles, int64_t M, int64_t N) {
+  constexpr int64_t kMaxChunks = 16;
+  constexpr int64_t kBudgetDoubles = int64_t{1} << 25;
+  const int64_t affordable = std::max<int64_t>(1, kBudgetDoubles / (M * N));
+  return std::min({tiles, kMaxChunks, affordable});
+}
+
+template <class X>
+void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, const X* dx_partial,
+         const float* dh_post, const float* dh_res, const X* x, const Params& params, X* dx,
+         const ParamGrads& grads) {
+  const int64_t T = dims.T, n = dims.n, D = dims.D, M = dims.M, N = dims.N;
+  const auto* norm_weight = static_cast<const float*>(params.norm_weight.data);
+  const auto* phi = static_cast<const float*>(params.phi.data);
+  const auto* alpha = static_cast<const float*>(params.alpha.data);
+  const auto* bias = static_cast<const float*>(params.bias.data);
+  auto* dnorm_weight = static_cast<float*>(grads.norm_weight.data);
+  auto* dphi = static_cast<float*>(grads.phi.data);
+  auto* dalpha = static_cast<float*>(grads.alpha.data);
+  auto* dbias = static_cast<float*>(grads.bias.data);
+  if (T == 0) {
+    std::fill(dnorm_weight, dnorm_weight + M, 0.0f);
+    std::fill(dphi, dphi + M * N, 0.0f);
+    std::fill(dalpha, dalpha + 3, 0.0f);
+    std::fill(dbias, dbias + N, 0.0f);
+    return;
+  }
+  const std::vector<float> wt = fold_weight(norm_weight, phi, M, N);
+  const int64_t tile = pre_tile_tokens(M);
+  const int64_t tiles = ceil_div(T, tile);
+  const int64_t chunks = chunk_count(tiles, M, N);
+  ThreadPool& pool = ThreadPool::instance();
+  const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), chunks));
+
+  // Per chunk: G [N, M], then dalpha [3] and dbias [N] in `small`.
+  std::vector<double> G(static_cast<size_t>(chunks * N * M), 0.0);
+  std::vector<double> small(static_cast<size_t>(chunks * (N + 3)), 0.0);
+
+  struct Scratch {
+    std::vector<float> x, dlayer_in, dx;  // f32 staging (bf16 only)
+    std::vector<float> P, dP;            // [tile, N]
+    std::vector<double> dP_wide;         // [tile, N]
+    std::vector<float> h_pre;            // [tile, n]
+    std::vector<float> rms_term;         // [tile]: dr r^3 / M
+    std::vector<float> unused;           // h_post, h_res of the recompute [n + n*n]
+    std::vector<float> dh_pre;           // [n]
+    TokenCoefficients coefficients;
+  };
+  constexpr bool kWiden = std::is_same_v<X, bf16>;
+  std::vector<Scratch> scratch;
+  for (int w = 0; w < workers; ++w) {
+    scratch.push_back(Scratch{std::vector<float>(kWiden ? static_cast<size_t>(tile * M) : 0),
+                              std::vector<float>(kWiden ? static_cast<size_t>(tile * D) : 0),
+                              std::vector<float>(kWiden ? static_cast<size_t>(tile * M) : 0),
+                              std::vector<float>(static_cast<size_t>(tile * N)),
+                              std::vector<float>(static_cast<size_t>(tile * N)),
+                              std::vector<double>(static_cast<size_t>(tile * N)),
+                              std::vector<float>(static_cast<size_t>(tile * n)),
+                              std::vector<float>(static_cast<size_t>(tile)),
+                              std::vector<float>(static_cast<size_t>(n + n * n)),
+                              std::vector<float>(static_cast<size_t>(n)),
+                              TokenCoefficients(config, alpha, bias)});
+  }
+
+  pool.parallel_for(chunks, workers, [&](int64_t chunk, int worker) {
+    Scratch& s = scratch[static_cast<size_t>(worker)];
+    double* G_chunk = G.data() + chunk * N * M;
+    double* dalpha_chunk = small.data() + chunk * (N + 3);
+    double* dbias_chunk = dalpha_chunk + 3;
+    const int64_t first = chunk * tiles / chunks, last = (chunk + 1) * tiles / chunks;
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t t0 = task * tile;
+      const int64_t tokens = std::min(tile, T - t0);
+      const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
+      const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in.data());
+
+      // First sweep: recompute, then the coefficient backward per token.
+      project(xf, tokens, M, wt.data(), N, s.P.data());
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t token = t0 + t;
+        const float* xt = xf + t * M;
+        const float r = 1.0f / std::sqrt(sum_squares(xt, M) / static_cast<float>(M) + config.rms_eps);
+        const float* P = s.P.data() + t * N;
+        float* pre = s.h_pre.data() + t * n;
+        s.coefficients.forward(P, r, pre, s.unused.data(), s.unused.data() + n);
+        for (int64_t k = 0; k < n; ++k) s.dh_pre[k] = dot(xt + k * D, dli + t * D, D);
+        float dr = 0.0f;
+        s.coefficients.backward(P, r, s.dh_pre.data(), dh_post + token * n, dh_res + token * n * n,
+                                s.dP.data() + t * N, s.dP_wide.data() + t * N, &dr,
+                                dalpha_chunk, dbias_chunk);
+        s.rms_term[t] = dr * r * r * r / static_cast<float>(M);
+      }
+
+      // Second sweep: dx and the weight gradient from the cached tile.
+      float* dxf = f32_target(dx + t0 * M, s.dx.data());
+      const float* dxp = as_f32(dx_partial + t0 * M, tokens * M, dxf);
+      if (dxp != dxf) std::copy(dxp, dxp + tokens * M, dxf);
+      for (int64_t t = 0; t < tokens; ++t) {
+        float* dxt = dxf + t * M;
+        for (int64_t k = 0; k < n; ++k) axpy(s.h_pre[t * n + k], dli + t * D, dxt + k * D, D);
+        axpy(-s.rms_term[t], xf + t * M, dxt, M);
+      }
+      add_projection_grad(s.dP.data(), wt.data(), tokens, M, N, dxf);
+      accumulate_weight_grad(xf, s.dP_wide.data(), tokens, M, N, G_chunk);
+      store_from(dxf, dx + t0 * M, tokens * M);
+    }
+  });
+
+  // Fixed-order reduction of the chunks, parallel over rows m of phi.
+  constexpr int64_t kRows = 256;
+  pool.parallel_for(ceil_div(M, kRows), pool.threads(), [&](int64_t task, int) {
+    const int64_t end = std::min(M, (task + 1) * kRows);
+    for (int64_t m = task * kRows; m < end; ++m) {
+      // In double: dnorm_weight sums N signed terms per row, which can cancel.
+      double through_norm_weight = 0.0;
+      for (int64_t c = 0; c < N; ++c) {
+        double total = 0.0;
+        for (int64_t k = 0; k < chunks; ++k) total += G[static_cast<size_t>((k * N + c) * M + m)];
+        dphi[m * N + c] = static_cast<float>(norm_weight[m] * total);
+        through_norm_weight += phi[m * N + c] * total;
+      }
+      dnorm_weight[m] = static_cast<float>(through_norm_weight);
+    }
+  });
+  for (int64_t c = 0; c < N + 3; ++c) {
+    double total = 0.0;
+    for (int64_t k = 0; k < chunks; ++k) total += small[static_cast<size_t>(k * (N + 3) + c)];
+    if (c < 3) {
+      dalpha[c] = static_cast<float>(total);
+    } else {
+      dbias[c - 3] = static_cast<float>(total);
+    }
+  }
+}
+
+}  // namespace
+
+void pre_backward(const Config& config, const detail::Dims& dims, const TensorRef& dlayer_in,
+                  const TensorRef& dx_partial, const TensorRef& dh_post, const TensorRef& dh_res,
+                  const TensorRef& x, const Params& params, const MutableTensorRef& dx,
+                  const ParamGrads& grads) {
+  const auto* dhp = static_cast<const float*>(dh_post.data);
+  const auto* dhr = static_cast<const float*>(dh_res.data);
+  if (x.dtype == DType::bf16) {
+    run(config, dims, static_cast<const bf16*>(dlayer_in.data),
+        static_cast<const bf16*>(dx_partial.data), dhp, dhr, static_cast<const bf16*>(x.data),
+        params, static_cast<bf16*>(dx.data), grads);
+  } else {
+    run(config, dims, static_cast<const float*>(dlayer_in.data),
+        static_cast<const float*>(dx_partial.data), dhp, dhr, static_cast<const float*>(x.data),
+        params, static_cast<float*>(dx.data), grads);
+  }
+}
+
+}  // namespace mhc::cpu

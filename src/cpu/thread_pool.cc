@@ -1,0 +1,111 @@
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace mhc::cpu {
+
+namespace {
+int default_threads() {
+  if (const char* text = std::getenv("MHC_NUM_THREADS")) {
+    char* end = nullptr;
+    const long value = std::strtol(text, &end, 10);
+    if (end != text && *end == '\0' && value >= 1 && value <= 1024) return static_cast<int>(value);
+  }
+  const unsigned hardware = std::thread::hardware_concurrency();
+  return hardware == 0 ? 1 : static_cast<int>(hardware);
+}
+}  // namespace
+
+ThreadPool& ThreadPool::instance() {
+  static ThreadPool pool;
+  return pool;
+}
+
+ThreadPool::ThreadPool() { start(default_threads()); }
+
+ThreadPool::~ThreadPool() { stop(); }
+
+void ThreadPool::start(int threads) {
+  {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    threads_ = threads;
+    stopping_ = false;
+  }
+  for (int worker = 1; worker < threads; ++worker) {
+    workers_.emplace_back([this, worker] { worker_loop(worker); });
+  }
+}
+
+void ThreadPool::stop() {
+  {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    stopping_ = true;
+  }
+  wake_.notify_all();
+  for (std::thread& thread : workers_) thread.join();
+  workers_.clear();
+}
+
+void ThreadPool::set_threads(int threads) {
+  std::lock_guard<std::mutex> call(call_mutex_);
+  const int wanted = threads < 1 ? default_threads() : threads;
+  if (wanted == threads_) return;
+  stop();
+  start(wanted);
+}
+
+int ThreadPool::threads() {
+  std::lock_guard<std::mutex> lock(state_mutex_);
+  return threads_;
+}
+
+void ThreadPool::run_tasks(int worker) {
+  for (int64_t task = next_.fetch_add(1); task < count_; task = next_.fetch_add(1)) {
+    (*body_)(task, worker);
+  }
+}
+
+void ThreadPool::worker_loop(int worker) {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(state_mutex_);
+      wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
+      if (stopping_) return;
+      seen = generation_;
+      if (worker > participants_) continue;  // this job has fewer scratch slots than threads
+    }
+    run_tasks(worker);
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    if (--active_ == 0) done_.notify_one();
+  }
+}
+
+void ThreadPool::parallel_for(int64_t count, int max_workers, const Body& body) {
+  if (count <= 0) return;
+  std::unique_lock<std::mutex> call(call_mutex_, std::try_to_lock);
+  const int helpers =
+      call.owns_lock() ? static_cast<int>(std::min<int64_t>({threads_ - 1, max_workers - 1, count - 1}))
+                       : 0;
+  if (helpers <= 0) {
+    for (int64_t task = 0; task < count; ++task) body(task, 0);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    body_ = &body;
+    count_ = count;
+    next_.store(0);
+    participants_ = helpers;
+    active_ = helpers;
+    ++generation_;
+  }
+  wake_.notify_all();
+  run_tasks(0);
+  std::unique_lock<std::mutex> lock(state_mutex_);
+  done_.wait(lock, [&] { return active_ == 0; });
+  body_ = nullptr;
+}
+
+}  // namespace mhc::cpu

@@ -1,0 +1,319 @@
+// Every output and gradient of the fused CPU kernels against the float64 reference
+// (spec: Accuracy): relative norm error <= 1e-5 for f32, <= 1e-2 when bf16 is involved; outputs
+// poisoned with NaN before each call; random alpha of order 1 and random bias.
+//
+// Ill-conditioned tensors. A tensor of one to three elements that is a sum of cancelling terms
+// (dalpha always; layer_in or dlayer_out at T = D = 1) can have a norm far below its terms, and
+// then no arithmetic that rounds its inputs or intermediates to the working precision meets a
+// relative bound. Each check therefore also runs the reference on inputs perturbed by one
+// rounding unit of the working precision: an error within 32x of the spread that this alone
+// causes is accepted too. For well-conditioned tensors that spread is ~1e-7 relative, far below
+// the tolerance, so the spec's bound is what is tested; a wrong kernel is off by O(1).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "test_util.h"
+
+namespace mhc::test {
+namespace {
+
+struct Case {
+  int64_t n, D, T;
+  Mix mix;
+  DType x_dtype, layer_out_dtype;
+};
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return std::string(to_string(c.mix)) + "_n" + std::to_string(c.n) + "_D" + std::to_string(c.D) +
+         "_T" + std::to_string(c.T) + "_" + to_string(c.x_dtype) + "_" + to_string(c.layer_out_dtype);
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (Mix mix : {Mix::sinkhorn, Mix::permutations}) {
+    for (int64_t n : {1, 2, 3, 4, 8}) {
+      if (mix == Mix::permutations && n > kMaxPermutationStreams) continue;
+      for (int64_t D : {1, 7, 130, 1024}) {
+        for (int64_t T : {0, 1, 5, 257}) {
+          for (DType dtype : {DType::f32, DType::bf16}) cases.push_back({n, D, T, mix, dtype, dtype});
+        }
+      }
+    }
+  }
+  // Mixed activation dtypes: x in one, layer_out in the other.
+  cases.push_back({4, 130, 5, Mix::sinkhorn, DType::f32, DType::bf16});
+  cases.push_back({4, 130, 5, Mix::sinkhorn, DType::bf16, DType::f32});
+  cases.push_back({3, 7, 257, Mix::permutations, DType::bf16, DType::f32});
+  return cases;
+}
+
+class KernelsVsReference : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const Case& c = GetParam();
+    config.n = c.n;
+    config.dim = c.D;
+    config.mix = c.mix;
+    T = c.T;
+    seed = fresh_seed();
+    rng.seed(seed);
+    params = random_params(rng, config);
+    tolerance = c.x_dtype == DType::f32 && c.layer_out_dtype == DType::f32 ? 1e-5 : 1e-2;
+  }
+
+  // A random activation tensor, rounded to its dtype.
+  HostTensor activation(DType dtype, std::vector<int64_t> shape, double stddev = 1.0) {
+    int64_t count = 1;
+    for (int64_t e : shape) count *= e;
+    return HostTensor::from(dtype, std::move(shape), random_normal(rng, count, stddev));
+  }
+
+  // Relative rounding unit of the working precision of this case.
+  double unit() const {
+    const Case& c = GetParam();
+    return c.x_dtype == DType::f32 && c.layer_out_dtype == DType::f32 ? 0x1p-24 : 0x1p-8;
+  }
+  // values * (1 + u), u uniform in [-unit, unit].
+  Vec perturb(const Vec& values) {
+    std::uniform_real_distribution<double> u(-unit(), unit());
+    Vec result = values;
+    for (double& v : result) v *= 1.0 + u(rng);
+    return result;
+  }
+  reference::Params perturb(const reference::Params& p) {
+    return reference::Params{perturb(p.norm_weight), perturb(p.phi), perturb(p.alpha), perturb(p.bias)};
+  }
+
+  void expect_close(const char* name, const HostTensor& got, const Vec& want, const Vec& noisy,
+                    double tol = 0.0) {
+    if (tol == 0.0) tol = tolerance;
+    const Vec values = got.to_double();
+    const double error = relative_error(values, want);
+    const double norm = std::sqrt(dot(want, want));
+    const double noise = std::sqrt(distance2(noisy, want));
+    const double absolute = std::sqrt(distance2(values, want));
+    const bool within_conditioning = absolute <= 32.0 * noise;
+    EXPECT_TRUE(error <= tol || within_conditioning)
+        << name << ": relative error " << error << " > " << tol << " and absolute error "
+        << absolute << " > 32 x rounding spread " << noise << " (norm " << norm << "; "
+        << describe(config, T, GetParam().x_dtype) << ", seed " << seed << ")";
+  }
+  static double dot(const Vec& a, const Vec& b) {
+    double total = 0.0;
+    for (size_t k = 0; k < a.size(); ++k) total += a[k] * b[k];
+    return total;
+  }
+  static double distance2(const Vec& a, const Vec& b) {
+    if (a.size() != b.size()) return std::numeric_limits<double>::quiet_NaN();
+    double total = 0.0;
+    for (size_t k = 0; k < a.size(); ++k) total += (a[k] - b[k]) * (a[k] - b[k]);
+    return total;
+  }
+
+  Config config;
+  int64_t T = 0;
+  uint64_t seed = 0;
+  std::mt19937_64 rng;
+  reference::Params params;
+  double tolerance = 0.0;
+};
+
+TEST_P(KernelsVsReference, PreForward) {
+  const Case& c = GetParam();
+  const int64_t n = c.n, D = c.D;
+  HostTensor x = activation(c.x_dtype, {T, n, D});
+  HostParams host_params(config, params);
+  HostTensor layer_in(c.x_dtype, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
+      h_res(DType::f32, {T, n, n});
+  for (HostTensor* out : {&layer_in, &h_pre, &h_post, &h_res}) out->poison();
+  pre_forward(config, x.ref(), host_params.view(),
+              PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+  const reference::PreForward want = reference::pre_forward(config, x.to_double(), params);
+  const reference::PreForward noisy =
+      reference::pre_forward(config, perturb(x.to_double()), perturb(params));
+  // Coefficients are f32 even for bf16 activations: only the inputs were rounded.
+  const double coefficient_tolerance = 1e-5;
+  expect_close("layer_in", layer_in, want.layer_in, noisy.layer_in);
+  expect_close("h_pre", h_pre, want.h_pre, noisy.h_pre, coefficient_tolerance);
+  expect_close("h_post", h_post, want.h_post, noisy.h_post, coefficient_tolerance);
+  expect_close("h_res", h_res, want.h_res, noisy.h_res, coefficient_tolerance);
+}
+
+TEST_P(KernelsVsReference, PostForward) {
+  const Case& c = GetParam();
+  const int64_t n = c.n, D = c.D;
+  HostTensor x = activation(c.x_dtype, {T, n, D});
+  HostTensor layer_out = activation(c.layer_out_dtype, {T, D});
+  HostTensor h_post = activation(DType::f32, {T, n});
+  HostTensor h_res = activation(DType::f32, {T, n, n});
+  HostTensor out(c.x_dtype, {T, n, D});
+  out.poison();
+  post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
+  expect_close("out", out,
+               reference::post_forward(config, x.to_double(), layer_out.to_double(),
+                                       h_post.to_double(), h_res.to_double()),
+               reference::post_forward(config, perturb(x.to_double()), perturb(layer_out.to_double()),
+                                       perturb(h_post.to_double()), perturb(h_res.to_double())));
+}
+
+TEST_P(KernelsVsReference, PostBackward) {
+  const Case& c = GetParam();
+  const int64_t n = c.n, D = c.D;
+  HostTensor g = activation(c.x_dtype, {T, n, D});
+  HostTensor x = activation(c.x_dtype, {T, n, D});
+  HostTensor layer_out = activation(c.layer_out_dtype, {T, D});
+  HostTensor h_post = activation(DType::f32, {T, n});
+  HostTensor h_res = activation(DType::f32, {T, n, n});
+  HostTensor dx_partial(c.x_dtype, {T, n, D}), dlayer_out(c.layer_out_dtype, {T, D}),
+      dh_post(DType::f32, {T, n}), dh_res(DType::f32, {T, n, n});
+  for (HostTensor* out : {&dx_partial, &dlayer_out, &dh_post, &dh_res}) out->poison();
+  post_backward(config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+                PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
+  const reference::PostBackward want =
+      reference::post_backward(config, g.to_double(), x.to_double(), layer_out.to_double(),
+                               h_post.to_double(), h_res.to_double());
+  const reference::PostBackward noisy = reference::post_backward(
+      config, perturb(g.to_double()), perturb(x.to_double()), perturb(layer_out.to_double()),
+      perturb(h_post.to_double()), perturb(h_res.to_double()));
+  expect_close("dx_partial", dx_partial, want.dx_partial, noisy.dx_partial);
+  expect_close("dlayer_out", dlayer_out, want.dlayer_out, noisy.dlayer_out);
+  expect_close("dh_post", dh_post, want.dh_post, noisy.dh_post);
+  expect_close("dh_res", dh_res, want.dh_res, noisy.dh_res);
+}
+
+TEST_P(KernelsVsReference, PreBackward) {
+  const Case& c = GetParam();
+  const int64_t n = c.n, D = c.D;
+  HostTensor x = activation(c.x_dtype, {T, n, D});
+  HostTensor dlayer_in = activation(c.x_dtype, {T, D});
+  HostTensor dx_partial = activation(c.x_dtype, {T, n, D});
+  HostTensor dh_post = activation(DType::f32, {T, n});
+  HostTensor dh_res = activation(DType::f32, {T, n, n});
+  HostParams host_params(config, params);
+  HostTensor dx(c.x_dtype, {T, n, D});
+  HostGrads grads(config);
+  dx.poison();
+  grads.poison();
+  pre_backward(config, dlayer_in.ref(), dx_partial.ref(), dh_post.ref(), dh_res.ref(), x.ref(),
+               host_params.view(), dx.mut(), grads.view());
+  const reference::PreBackward want =
+      reference::pre_backward(config, dlayer_in.to_double(), dx_partial.to_double(),
+                              dh_post.to_double(), dh_res.to_double(), x.to_double(), params);
+  const reference::PreBackward noisy = reference::pre_backward(
+      config, perturb(dlayer_in.to_double()), perturb(dx_partial.to_double()),
+      perturb(dh_post.to_double()), perturb(dh_res.to_double()), perturb(x.to_double()),
+      perturb(params));
+  expect_close("dx", dx, want.dx, noisy.dx);
+  expect_close("dnorm_weight", grads.norm_weight, want.grads.norm_weight, noisy.grads.norm_weight);
+  expect_close("dphi", grads.phi, want.grads.phi, noisy.grads.phi);
+  expect_close("dalpha", grads.alpha, want.grads.alpha, noisy.grads.alpha);
+  expect_close("dbias", grads.bias, want.grads.bias, noisy.grads.bias);
+}
+
+// The four kernels chained as a framework would: the dx_partial, dh_post and dh_res of
+// post_backward feed pre_backward, with a random layer_out and random cotangents.
+class WholeSublayerVsReference : public KernelsVsReference {};
+
+TEST_P(WholeSublayerVsReference, ForwardAndBackward) {
+  const Case& c = GetParam();
+  const int64_t n = c.n, D = c.D;
+  HostTensor x = activation(c.x_dtype, {T, n, D});
+  HostParams host_params(config, params);
+  HostTensor layer_in(c.x_dtype, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
+      h_res(DType::f32, {T, n, n});
+  pre_forward(config, x.ref(), host_params.view(),
+              PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+  HostTensor layer_out = activation(c.layer_out_dtype, {T, D});
+  HostTensor out(c.x_dtype, {T, n, D});
+  post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
+  HostTensor g = activation(c.x_dtype, {T, n, D});
+  HostTensor dx_partial(c.x_dtype, {T, n, D}), dlayer_out(c.layer_out_dtype, {T, D}),
+      dh_post(DType::f32, {T, n}), dh_res(DType::f32, {T, n, n});
+  post_backward(config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+                PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
+  HostTensor dlayer_in = activation(c.x_dtype, {T, D});
+  HostTensor dx(c.x_dtype, {T, n, D});
+  HostGrads grads(config);
+  pre_backward(config, dlayer_in.ref(), dx_partial.ref(), dh_post.ref(), dh_res.ref(), x.ref(),
+               host_params.view(), dx.mut(), grads.view());
+
+  struct Chain {
+    Vec out, dlayer_out;
+    reference::PreBackward backward;
+  };
+  auto chain = [&](const Vec& xd, const reference::Params& p, const Vec& lo, const Vec& gd,
+                   const Vec& dli) {
+    const reference::PreForward f = reference::pre_forward(config, xd, p);
+    const reference::PostBackward pb = reference::post_backward(config, gd, xd, lo, f.h_post, f.h_res);
+    return Chain{reference::post_forward(config, xd, lo, f.h_post, f.h_res), pb.dlayer_out,
+                 reference::pre_backward(config, dli, pb.dx_partial, pb.dh_post, pb.dh_res, xd, p)};
+  };
+  const Chain want = chain(x.to_double(), params, layer_out.to_double(), g.to_double(),
+                           dlayer_in.to_double());
+  const Chain noisy = chain(perturb(x.to_double()), perturb(params), perturb(layer_out.to_double()),
+                            perturb(g.to_double()), perturb(dlayer_in.to_double()));
+  // bf16 rounding of the intermediate dx_partial adds one more rounding: same tolerance table.
+  expect_close("out", out, want.out, noisy.out);
+  expect_close("dlayer_out", dlayer_out, want.dlayer_out, noisy.dlayer_out);
+  expect_close("dx", dx, want.backward.dx, noisy.backward.dx);
+  expect_close("dnorm_weight", grads.norm_weight, want.backward.grads.norm_weight,
+               noisy.backward.grads.norm_weight);
+  expect_close("dphi", grads.phi, want.backward.grads.phi, noisy.backward.grads.phi);
+  expect_close("dalpha", grads.alpha, want.backward.grads.alpha, noisy.backward.grads.alpha);
+  expect_close("dbias", grads.bias, want.backward.grads.bias, noisy.backward.grads.bias);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, KernelsVsReference, testing::ValuesIn(all_cases()), case_name);
+
+// The chain on the small shapes; the large ones are covered operation by operation.
+std::vector<Case> chain_cases() {
+  std::vector<Case> cases;
+  for (const Case& c : all_cases()) {
+    if (c.T > 0 && c.D < 1024) cases.push_back(c);
+  }
+  return cases;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, WholeSublayerVsReference, testing::ValuesIn(chain_cases()),
+                         case_name);
+
+// Hidden sizes of real models and sizes around the 8-lane vector width and the 64-column block.
+TEST(KernelsVsReferenceWidths, BoundarySizes) {
+  for (int64_t D : {8, 9, 15, 16, 17, 63, 64, 65, 1280}) {
+    Config config;
+    config.n = 4;
+    config.dim = D;
+    const uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    const reference::Params params = random_params(rng, config);
+    const int64_t T = 3, n = 4;
+    HostTensor x = HostTensor::from(DType::f32, {T, n, D}, random_normal(rng, T * n * D));
+    HostTensor dli = HostTensor::from(DType::f32, {T, D}, random_normal(rng, T * D));
+    HostTensor dxp = HostTensor::from(DType::f32, {T, n, D}, random_normal(rng, T * n * D));
+    HostTensor dhp = HostTensor::from(DType::f32, {T, n}, random_normal(rng, T * n));
+    HostTensor dhr = HostTensor::from(DType::f32, {T, n, n}, random_normal(rng, T * n * n));
+    HostParams host_params(config, params);
+    HostTensor dx(DType::f32, {T, n, D});
+    HostGrads grads(config);
+    dx.poison();
+    grads.poison();
+    pre_backward(config, dli.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(), host_params.view(),
+                 dx.mut(), grads.view());
+    const reference::PreBackward want =
+        reference::pre_backward(config, dli.to_double(), dxp.to_double(), dhp.to_double(),
+                                dhr.to_double(), x.to_double(), params);
+    for (const auto& [name, got, ref] :
+         {std::tuple<const char*, Vec, Vec>{"dx", dx.to_double(), want.dx},
+          {"dphi", grads.phi.to_double(), want.grads.phi},
+          {"dnorm_weight", grads.norm_weight.to_double(), want.grads.norm_weight}}) {
+      const double error = relative_error(got, ref);
+      EXPECT_TRUE(error <= 1e-5) << name << " D=" << D << " error " << error << " seed " << seed;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mhc::test

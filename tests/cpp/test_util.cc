@@ -1,0 +1,168 @@
+#include "test_util.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+namespace mhc::test {
+
+HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
+    : dtype_(dtype), shape_(std::move(shape)) {
+  if (dtype_ == DType::f32) {
+    f32_.assign(static_cast<size_t>(size()), 0.0f);
+  } else {
+    bf16_.assign(static_cast<size_t>(size()), bf16{});
+  }
+}
+
+HostTensor HostTensor::from(DType dtype, std::vector<int64_t> shape, const Vec& values) {
+  HostTensor tensor(dtype, std::move(shape));
+  tensor.set(values);
+  return tensor;
+}
+
+int64_t HostTensor::size() const {
+  int64_t count = 1;
+  for (int64_t extent : shape_) count *= extent;
+  return count;
+}
+
+void HostTensor::set(const Vec& values) {
+  for (size_t k = 0; k < values.size(); ++k) {
+    if (dtype_ == DType::f32) {
+      f32_.at(k) = static_cast<float>(values[k]);
+    } else {
+      bf16_.at(k) = to_bf16(static_cast<float>(values[k]));
+    }
+  }
+}
+
+Vec HostTensor::to_double() const {
+  Vec values(static_cast<size_t>(size()));
+  for (size_t k = 0; k < values.size(); ++k) {
+    values[k] = dtype_ == DType::f32 ? f32_[k] : to_float(bf16_[k]);
+  }
+  return values;
+}
+
+void HostTensor::poison() {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (float& v : f32_) v = nan;
+  for (bf16& v : bf16_) v = to_bf16(nan);
+}
+
+const void* HostTensor::data() const {
+  if (size() == 0) return nullptr;
+  return dtype_ == DType::f32 ? static_cast<const void*>(f32_.data())
+                              : static_cast<const void*>(bf16_.data());
+}
+
+TensorRef HostTensor::ref() const {
+  TensorRef view;
+  view.data = data();
+  view.dtype = dtype_;
+  view.rank = static_cast<int>(shape_.size());
+  for (size_t axis = 0; axis < shape_.size(); ++axis) view.shape[axis] = shape_[axis];
+  return view;
+}
+
+MutableTensorRef HostTensor::mut() {
+  MutableTensorRef view;
+  view.data = const_cast<void*>(data());
+  view.dtype = dtype_;
+  view.rank = static_cast<int>(shape_.size());
+  for (size_t axis = 0; axis < shape_.size(); ++axis) view.shape[axis] = shape_[axis];
+  return view;
+}
+
+double relative_error(const Vec& got, const Vec& want) {
+  if (got.size() != want.size()) return std::numeric_limits<double>::quiet_NaN();
+  double diff = 0.0, norm = 0.0, got_norm = 0.0;
+  for (size_t k = 0; k < got.size(); ++k) {
+    diff += (got[k] - want[k]) * (got[k] - want[k]);
+    norm += want[k] * want[k];
+    got_norm += got[k] * got[k];
+  }
+  if (std::isnan(diff) || std::isnan(got_norm)) return std::numeric_limits<double>::quiet_NaN();
+  if (norm == 0.0) return std::sqrt(got_norm);
+  return std::sqrt(diff / norm);
+}
+
+uint64_t fresh_seed() {
+  if (const char* text = std::getenv("MHC_TEST_SEED")) return std::strtoull(text, nullptr, 10);
+  static std::random_device device;
+  return (static_cast<uint64_t>(device()) << 32) ^ device() ^
+         static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+}
+
+Vec random_normal(std::mt19937_64& rng, int64_t count, double stddev) {
+  std::normal_distribution<double> normal(0.0, stddev);
+  Vec values(static_cast<size_t>(count));
+  for (double& v : values) v = normal(rng);
+  return values;
+}
+
+Vec round_to(DType dtype, Vec values) {
+  for (double& v : values) {
+    const float f = static_cast<float>(v);
+    v = dtype == DType::f32 ? f : to_float(to_bf16(f));
+  }
+  return values;
+}
+
+reference::Params random_params(std::mt19937_64& rng, const Config& config) {
+  const int64_t M = flat_width(config), N = projection_width(config);
+  std::uniform_real_distribution<double> magnitude(0.5, 1.5);
+  std::bernoulli_distribution negative(0.3);
+  reference::Params params;
+  params.norm_weight = random_normal(rng, M, 0.2);
+  for (double& w : params.norm_weight) w += 1.0;
+  params.phi = random_normal(rng, M * N, 1.0 / std::sqrt(static_cast<double>(M)));
+  for (int g = 0; g < 3; ++g) params.alpha.push_back(magnitude(rng) * (negative(rng) ? -1.0 : 1.0));
+  params.bias = random_normal(rng, N, 1.0);
+  // Parameters are f32 at the API: the reference must see the same rounded values.
+  params.norm_weight = round_to(DType::f32, params.norm_weight);
+  params.phi = round_to(DType::f32, params.phi);
+  params.alpha = round_to(DType::f32, params.alpha);
+  params.bias = round_to(DType::f32, params.bias);
+  return params;
+}
+
+HostParams::HostParams(const Config& config, const reference::Params& values)
+    : norm_weight(HostTensor::from(DType::f32, {flat_width(config)}, values.norm_weight)),
+      phi(HostTensor::from(DType::f32, {flat_width(config), projection_width(config)}, values.phi)),
+      alpha(HostTensor::from(DType::f32, {3}, values.alpha)),
+      bias(HostTensor::from(DType::f32, {projection_width(config)}, values.bias)) {}
+
+Params HostParams::view() const { return Params{norm_weight.ref(), phi.ref(), alpha.ref(), bias.ref()}; }
+
+HostGrads::HostGrads(const Config& config)
+    : norm_weight(DType::f32, {flat_width(config)}),
+      phi(DType::f32, {flat_width(config), projection_width(config)}),
+      alpha(DType::f32, {3}),
+      bias(DType::f32, {projection_width(config)}) {}
+
+ParamGrads HostGrads::view() {
+  return ParamGrads{norm_weight.mut(), phi.mut(), alpha.mut(), bias.mut()};
+}
+
+void HostGrads::poison() {
+  norm_weight.poison();
+  phi.poison();
+  alpha.poison();
+  bias.poison();
+}
+
+reference::Params HostGrads::to_double() const {
+  return reference::Params{norm_weight.to_double(), phi.to_double(), alpha.to_double(),
+                           bias.to_double()};
+}
+
+std::string describe(const Config& config, int64_t T, DType dtype) {
+  return "n=" + std::to_string(config.n) + " D=" + std::to_string(config.dim) +
+         " T=" + std::to_string(T) + " mix=" + to_string(config.mix) +
+         " iters=" + std::to_string(config.sinkhorn_iters) + " dtype=" + to_string(dtype);
+}
+
+}  // namespace mhc::test

@@ -1,0 +1,72 @@
+// Test helpers: host tensors in either activation dtype, random problems with non-trivial
+// coefficients, and the spec's relative-norm error (NaN never passes).
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mhc/ops.h"
+#include "mhc/reference.h"
+
+namespace mhc::test {
+
+using reference::Vec;
+
+// An owning tensor of f32 or bf16 values with a shape; converts to and from double exactly
+// (values are rounded to the dtype when set, so the double copy is what the kernel sees).
+class HostTensor {
+ public:
+  HostTensor() = default;
+  HostTensor(DType dtype, std::vector<int64_t> shape);
+  static HostTensor from(DType dtype, std::vector<int64_t> shape, const Vec& values);
+
+  int64_t size() const;
+  DType dtype() const { return dtype_; }
+  void set(const Vec& values);
+  Vec to_double() const;
+  void poison();  // NaN everywhere, so an output that is never written fails the comparison
+  TensorRef ref() const;
+  MutableTensorRef mut();
+  const void* data() const;
+  int64_t bytes() const { return size() * size_of(dtype_); }
+
+ private:
+  DType dtype_ = DType::f32;
+  std::vector<int64_t> shape_;
+  std::vector<float> f32_;
+  std::vector<bf16> bf16_;
+};
+
+// ||got - want|| / ||want||; ||got|| when want is all zeros; NaN if anything is NaN.
+double relative_error(const Vec& got, const Vec& want);
+
+// A fresh seed per call (logged by the tests so a failure can be replayed with MHC_TEST_SEED).
+uint64_t fresh_seed();
+
+Vec random_normal(std::mt19937_64& rng, int64_t count, double stddev = 1.0);
+// Values rounded to what `dtype` can hold, so double references see the kernel's exact inputs.
+Vec round_to(DType dtype, Vec values);
+
+// Parameters with non-trivial coefficients: alpha of order 1 with mixed signs, random bias,
+// norm_weight around 1, phi ~ N(0, 1/M).
+reference::Params random_params(std::mt19937_64& rng, const Config& config);
+
+struct HostParams {
+  HostTensor norm_weight, phi, alpha, bias;
+  explicit HostParams(const Config& config, const reference::Params& values);
+  Params view() const;
+};
+
+struct HostGrads {
+  HostTensor norm_weight, phi, alpha, bias;
+  explicit HostGrads(const Config& config);
+  ParamGrads view();
+  void poison();
+  reference::Params to_double() const;
+};
+
+std::string describe(const Config& config, int64_t T, DType dtype);
+
+}  // namespace mhc::test
