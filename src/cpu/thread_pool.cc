@@ -27,13 +27,18 @@ ThreadPool::ThreadPool() { start(default_threads()); }
 ThreadPool::~ThreadPool() { stop(); }
 
 void ThreadPool::start(int threads) {
+  uint64_t current = 0;
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
     threads_ = threads;
     stopping_ = false;
+    participants_ = 0;
+    current = generation_;
   }
+  // A new worker must wait for the next job: starting from generation 0 would make it join the
+  // last (finished) job's generation and steal tasks of the next one under a stale worker index.
   for (int worker = 1; worker < threads; ++worker) {
-    workers_.emplace_back([this, worker] { worker_loop(worker); });
+    workers_.emplace_back([this, worker, current] { worker_loop(worker, current); });
   }
 }
 
@@ -66,8 +71,7 @@ void ThreadPool::run_tasks(int worker) {
   }
 }
 
-void ThreadPool::worker_loop(int worker) {
-  uint64_t seen = 0;
+void ThreadPool::worker_loop(int worker, uint64_t seen) {
   for (;;) {
     {
       std::unique_lock<std::mutex> lock(state_mutex_);

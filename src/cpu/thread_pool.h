@@ -33,7 +33,7 @@ class ThreadPool {
   ThreadPool();
   void start(int threads);
   void stop();
-  void worker_loop(int worker);
+  void worker_loop(int worker, uint64_t seen);
   void run_tasks(int worker);
 
   std::mutex call_mutex_;  // one parallel_for (or resize) at a time

@@ -91,6 +91,25 @@ INSTANTIATE_TEST_SUITE_P(MixAndDtype, Determinism,
                          testing::Combine(testing::Values(Mix::sinkhorn, Mix::permutations),
                                           testing::Values(DType::f32, DType::bf16)));
 
+// Resizing the pool between calls with jobs of many and of few tiles: new workers must not join a
+// job they were not counted in (a stale-generation race once let them run tasks of the next job
+// under a worker index beyond its scratch). Results must stay identical throughout.
+TEST(Threads, ResizeBetweenCallsKeepsResults) {
+  Config config;
+  config.n = 4;
+  config.dim = 64;
+  const uint64_t seed = fresh_seed();
+  set_num_threads(1);
+  const Outputs many = run_all(config, 1000, DType::f32, seed);
+  const Outputs few = run_all(config, 128, DType::f32, seed);
+  for (int round = 0; round < 20; ++round) {
+    set_num_threads(round % 2 == 0 ? 8 : 7);
+    EXPECT_TRUE(run_all(config, 1000, DType::f32, seed) == many) << "round " << round;
+    EXPECT_TRUE(run_all(config, 128, DType::f32, seed) == few) << "round " << round;
+  }
+  set_num_threads(0);
+}
+
 TEST(Threads, SettableAndResettable) {
   set_num_threads(3);
   EXPECT_EQ(num_threads(), 3);
