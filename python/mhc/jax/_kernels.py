@@ -1,0 +1,109 @@
+"""The C++ operations as JAX primitives: ffi_call wrappers and the custom VJPs around them.
+
+Shapes here are flat: x [T, n, D]. The public functions in mhc.jax reshape leading dims.
+
+pre's custom VJP returns x itself as an extra output (the context's copy). post's backward sends
+its dx_partial back along that output, so pre's backward receives it as a cotangent and the C++
+pre_backward adds it while it writes dx: no separate pass to sum the two paths of dx.
+
+`reduce_axes` (a tuple of mesh axis names, or None) is for use inside shard_map: the parameter
+gradients of a device's local tokens are psum-ed over those axes in the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mhc import _ffi  # noqa: F401  (registers the FFI targets)
+from mhc.jax._types import Config, Params
+
+_F32 = jnp.float32
+
+
+def _attributes(config: Config) -> dict:
+    return dict(
+        n=np.int64(config.n),
+        mix=np.int64(0 if config.mix == "sinkhorn" else 1),
+        sinkhorn_iters=np.int64(config.sinkhorn_iters),
+        sinkhorn_eps=np.float32(config.sinkhorn_eps),
+        rms_eps=np.float32(config.rms_eps),
+        pre_eps=np.float32(config.pre_eps),
+        post_scale=np.float32(config.post_scale),
+    )
+
+
+def _call(target: str, config: Config, result_types, *args):
+    # "sequential": the calls take parameters, which other vmap methods would batch wrongly.
+    return jax.ffi.ffi_call(target, result_types, vmap_method="sequential")(*args, **_attributes(config))
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+def pre_forward(config: Config, x, params: Params):
+    t, n, d = x.shape
+    types = (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
+    return _call("mhc_pre_forward", config, types, x, *params)
+
+
+def post_forward(config: Config, x, layer_out, h_post, h_res):
+    return _call("mhc_post_forward", config, _sds(x.shape, x.dtype), x, layer_out, h_post, h_res)
+
+
+def post_backward(config: Config, g, x, layer_out, h_post, h_res):
+    t, n, _ = x.shape
+    types = (_sds(x.shape, x.dtype), _sds(layer_out.shape, layer_out.dtype), _sds((t, n), _F32), _sds((t, n, n), _F32))
+    return _call("mhc_post_backward", config, types, g, x, layer_out, h_post, h_res)
+
+
+def pre_backward(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Params):
+    types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in params)
+    return _call("mhc_pre_backward", config, types, dlayer_in, dx_partial, dh_post, dh_res, x, *params)
+
+
+def _reduce(grads, reduce_axes):
+    return grads if reduce_axes is None else jax.lax.psum(grads, reduce_axes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def pre(config: Config, reduce_axes, x, params: Params):
+    """-> layer_in [T, D], x (for the context), h_post [T, n], h_res [T, n, n]."""
+    layer_in, _, h_post, h_res = pre_forward(config, x, params)
+    return layer_in, x, h_post, h_res
+
+
+def _pre_fwd(config, reduce_axes, x, params):
+    return pre(config, reduce_axes, x, params), (x, params)
+
+
+def _pre_bwd(config, reduce_axes, residuals, cotangents):
+    x, params = residuals
+    dlayer_in, dx_partial, dh_post, dh_res = cotangents
+    dx, *grads = pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params)
+    return dx, _reduce(Params(*grads), reduce_axes)
+
+
+pre.defvjp(_pre_fwd, _pre_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def post(config: Config, x, layer_out, h_post, h_res):
+    """-> out [T, n, D]."""
+    return post_forward(config, x, layer_out, h_post, h_res)
+
+
+def _post_fwd(config, x, layer_out, h_post, h_res):
+    return post(config, x, layer_out, h_post, h_res), (x, layer_out, h_post, h_res)
+
+
+def _post_bwd(config, residuals, g):
+    x, layer_out, h_post, h_res = residuals
+    return tuple(post_backward(config, g, x, layer_out, h_post, h_res))
+
+
+post.defvjp(_post_fwd, _post_bwd)

@@ -1,0 +1,138 @@
+"""Config, parameters, the context that pre hands to post, and argument checks.
+
+Every check here runs at trace time, before any custom call, and raises ValueError (bad shape or
+value) or TypeError (bad dtype) naming the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MIXES = ("sinkhorn", "permutations")
+MAX_STREAMS = 16
+MAX_PERMUTATION_STREAMS = 6
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """mHC hyper-parameters (spec: Shapes and names). Hashable, so it can be a static argument."""
+
+    n: int
+    mix: str = "sinkhorn"
+    sinkhorn_iters: int = 20
+    sinkhorn_eps: float = 1e-6
+    rms_eps: float = 1e-6
+    pre_eps: float = 1e-6
+    post_scale: float = 2.0
+
+    def __post_init__(self):
+        if self.mix not in MIXES:
+            raise ValueError(f"Config.mix: expected one of {MIXES}, got {self.mix!r}")
+        limit = MAX_PERMUTATION_STREAMS if self.mix == "permutations" else MAX_STREAMS
+        if not isinstance(self.n, (int, np.integer)) or not 1 <= self.n <= limit:
+            raise ValueError(f"Config.n: expected an int in 1..{limit} for mix={self.mix!r}, got {self.n!r}")
+        if not isinstance(self.sinkhorn_iters, (int, np.integer)) or not 1 <= self.sinkhorn_iters <= 10000:
+            raise ValueError(f"Config.sinkhorn_iters: expected an int in 1..10000, got {self.sinkhorn_iters!r}")
+        for name in ("sinkhorn_eps", "pre_eps"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"Config.{name}: expected a finite value >= 0, got {value!r}")
+        if not (math.isfinite(self.rms_eps) and self.rms_eps > 0):
+            raise ValueError(f"Config.rms_eps: expected a finite value > 0, got {self.rms_eps!r}")
+        if not math.isfinite(self.post_scale):
+            raise ValueError(f"Config.post_scale: expected a finite value, got {self.post_scale!r}")
+
+    @property
+    def residual_logits(self) -> int:
+        """R: n*n for Sinkhorn, n! for permutations."""
+        return self.n * self.n if self.mix == "sinkhorn" else math.factorial(self.n)
+
+    @property
+    def projection_width(self) -> int:
+        """N = 2n + R: columns of phi."""
+        return 2 * self.n + self.residual_logits
+
+
+class Params(NamedTuple):
+    """mHC parameters, f32, layout as in the spec: phi's columns are [pre | post | res]."""
+
+    norm_weight: jax.Array  # [n*D]
+    phi: jax.Array  # [n*D, N]
+    alpha: jax.Array  # [3]: (alpha_pre, alpha_post, alpha_res)
+    bias: jax.Array  # [N]
+
+
+def init_params(key: jax.Array, config: Config, d: int) -> Params:
+    """alpha 0.01, bias 0, norm_weight 1, phi ~ N(0, 1/(n*D))."""
+    m = config.n * d
+    phi = jax.random.normal(key, (m, config.projection_width), jnp.float32) / math.sqrt(m)
+    return Params(
+        norm_weight=jnp.ones((m,), jnp.float32),
+        phi=phi,
+        alpha=jnp.full((3,), 0.01, jnp.float32),
+        bias=jnp.zeros((config.projection_width,), jnp.float32),
+    )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What post and the backward need from pre: the streams and the post/res coefficients.
+
+    x [..., n, D] (x's dtype), h_post [..., n] and h_res [..., n, n] (f32). `config` and
+    `use_kernel` are static, so post runs the same path as the pre that made the context.
+    """
+
+    x: jax.Array
+    h_post: jax.Array
+    h_res: jax.Array
+    config: Config = dataclasses.field(metadata=dict(static=True))
+    use_kernel: bool = dataclasses.field(metadata=dict(static=True))
+
+
+ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def check_activation(name: str, array, expected_shape=None) -> None:
+    if jnp.dtype(array.dtype) not in ACTIVATION_DTYPES:
+        raise TypeError(f"{name}: expected dtype float32 or bfloat16, got {array.dtype}")
+    if expected_shape is not None and tuple(array.shape) != tuple(expected_shape):
+        raise ValueError(f"{name}: expected shape {tuple(expected_shape)}, got {tuple(array.shape)}")
+
+
+def check_pre_args(x, params: Params, config: Config) -> None:
+    if not isinstance(config, Config):
+        raise TypeError(f"config: expected mhc.jax.Config, got {type(config).__name__}")
+    if not isinstance(params, Params):
+        raise TypeError(f"params: expected mhc.jax.Params, got {type(params).__name__}")
+    check_activation("x", x)
+    if x.ndim < 2:
+        raise ValueError(f"x: expected shape [..., n, D] with rank >= 2, got {tuple(x.shape)}")
+    n, d = x.shape[-2], x.shape[-1]
+    if n != config.n:
+        raise ValueError(f"x: expected {config.n} streams (config.n) in axis -2, got shape {tuple(x.shape)}")
+    if d < 1:
+        raise ValueError(f"x: expected D >= 1 in the last axis, got shape {tuple(x.shape)}")
+    m, width = n * d, config.projection_width
+    expected = {"norm_weight": (m,), "phi": (m, width), "alpha": (3,), "bias": (width,)}
+    for name, shape in expected.items():
+        value = getattr(params, name)
+        if jnp.dtype(value.dtype) != jnp.dtype(jnp.float32):
+            raise TypeError(f"params.{name}: expected dtype float32, got {value.dtype}")
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"params.{name}: expected shape {shape} for n={n}, D={d}, mix={config.mix!r}, "
+                f"got {tuple(value.shape)}"
+            )
+
+
+def check_post_args(layer_out, ctx: Context) -> None:
+    if not isinstance(ctx, Context):
+        raise TypeError(f"ctx: expected the Context returned by mhc.jax.pre, got {type(ctx).__name__}")
+    check_activation("layer_out", layer_out, ctx.x.shape[:-2] + ctx.x.shape[-1:])

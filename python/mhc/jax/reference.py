@@ -1,0 +1,73 @@
+"""The plain-JAX path: the spec's formulas in jax.numpy (f32 coefficient math), differentiated
+by JAX autodiff. ``mhc.jax.pre(..., use_kernel=False)`` runs this; it is also the baseline the
+benchmarks compare the kernels with."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mhc.jax._types import Config, Context, Params, check_post_args, check_pre_args
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def permutation_matrices(n: int) -> np.ndarray:
+    """[n!, n, n] with [p, i, perm_p(i)] = 1, permutations of range(n) in lexicographic order."""
+    perms = list(itertools.permutations(range(n)))
+    mats = np.zeros((len(perms), n, n), np.float32)
+    for p, perm in enumerate(perms):
+        mats[p, np.arange(n), perm] = 1.0
+    return mats
+
+
+def mix_matrix(config: Config, logits: jax.Array) -> jax.Array:
+    """H_res [..., n, n] from the residual logits [..., R] (spec: Forward step 5)."""
+    n, eps = config.n, config.sinkhorn_eps
+    if config.mix == "permutations":
+        weights = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("...p,pij->...ij", weights, permutation_matrices(n), precision=_HIGHEST)
+    s = jax.nn.softmax(logits.reshape(*logits.shape[:-1], n, n), axis=-1) + eps
+    s = s / (s.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(config.sinkhorn_iters - 1):
+        s = s / (s.sum(axis=-1, keepdims=True) + eps)
+        s = s / (s.sum(axis=-2, keepdims=True) + eps)
+    return s
+
+
+def coefficients(x: jax.Array, params: Params, config: Config):
+    """h_pre [..., n], h_post [..., n], h_res [..., n, n] in f32 (spec: Forward steps 1-5)."""
+    n = config.n
+    flat = x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+    r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + config.rms_eps)
+    projection = jnp.matmul(flat * params.norm_weight, params.phi, precision=_HIGHEST)
+    scale = jnp.concatenate(
+        [
+            jnp.broadcast_to(params.alpha[0], (n,)),
+            jnp.broadcast_to(params.alpha[1], (n,)),
+            jnp.broadcast_to(params.alpha[2], (config.residual_logits,)),
+        ]
+    )
+    logits = scale * (r * projection) + params.bias
+    h_pre = jax.nn.sigmoid(logits[..., :n]) + config.pre_eps
+    h_post = config.post_scale * jax.nn.sigmoid(logits[..., n : 2 * n])
+    return h_pre, h_post, mix_matrix(config, logits[..., 2 * n :])
+
+
+def pre(x: jax.Array, params: Params, config: Config):
+    """layer_in [..., D] (x's dtype) and the Context for post."""
+    check_pre_args(x, params, config)
+    h_pre, h_post, h_res = coefficients(x, params, config)
+    layer_in = jnp.einsum("...k,...kd->...d", h_pre, x.astype(jnp.float32), precision=_HIGHEST)
+    return layer_in.astype(x.dtype), Context(x, h_post, h_res, config, False)
+
+
+def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
+    """out[..., j, d] = sum_i h_res[..., i, j] x[..., i, d] + h_post[..., j] layer_out[..., d]."""
+    check_post_args(layer_out, ctx)
+    mixed = jnp.einsum("...ij,...id->...jd", ctx.h_res, ctx.x.astype(jnp.float32), precision=_HIGHEST)
+    out = mixed + ctx.h_post[..., :, None] * layer_out.astype(jnp.float32)[..., None, :]
+    return out.astype(ctx.x.dtype)

@@ -1,0 +1,223 @@
+// XLA FFI handlers for the CPU platform, and the nanobind module that hands their capsules to
+// Python (mhc/_ffi.py registers them with jax.ffi). Each handler only converts XLA buffers and
+// attributes into mhc views and a Config, calls the public C++ operation, and turns mhc::Error
+// into an FFI InvalidArgument error; the operations validate everything themselves.
+#include <nanobind/nanobind.h>
+
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "mhc/ops.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr const char* kOp = "mhc ffi";
+
+mhc::DType dtype_of(ffi::DataType type, const char* name) {
+  if (type == ffi::DataType::F32) return mhc::DType::f32;
+  if (type == ffi::DataType::BF16) return mhc::DType::bf16;
+  throw mhc::Error(kOp, name, "expected dtype float32 or bfloat16");
+}
+
+template <class View, class Pointer>
+View make_view(Pointer data, ffi::DataType type, ffi::Span<const int64_t> dims, const char* name) {
+  if (dims.size() > static_cast<size_t>(mhc::kMaxRank)) {
+    throw mhc::Error(kOp, name, "expected at most 4 dimensions");
+  }
+  View view;
+  view.data = data;
+  view.dtype = dtype_of(type, name);
+  view.rank = static_cast<int>(dims.size());
+  for (size_t axis = 0; axis < dims.size(); ++axis) view.shape[axis] = dims[axis];
+  return view;
+}
+
+mhc::TensorRef in(const ffi::AnyBuffer& buffer, const char* name) {
+  return make_view<mhc::TensorRef>(buffer.untyped_data(), buffer.element_type(),
+                                   buffer.dimensions(), name);
+}
+
+mhc::MutableTensorRef out(ffi::Result<ffi::AnyBuffer>& buffer, const char* name) {
+  return make_view<mhc::MutableTensorRef>(buffer->untyped_data(), buffer->element_type(),
+                                          buffer->dimensions(), name);
+}
+
+// The config travels as attributes; D is the last dimension of x.
+mhc::Config make_config(const mhc::TensorRef& x, int64_t n, int64_t mix, int64_t iters,
+                        float sinkhorn_eps, float rms_eps, float pre_eps, float post_scale) {
+  if (x.rank != 3) throw mhc::Error(kOp, "x", "expected rank 3 [T, n, D], got " + x.shape_string());
+  if (mix != 0 && mix != 1) throw mhc::Error(kOp, "mix", "expected 0 (sinkhorn) or 1 (permutations)");
+  mhc::Config config;
+  config.n = n;
+  config.dim = x.shape[2];
+  config.mix = mix == 0 ? mhc::Mix::sinkhorn : mhc::Mix::permutations;
+  config.sinkhorn_iters = iters;
+  config.sinkhorn_eps = sinkhorn_eps;
+  config.rms_eps = rms_eps;
+  config.pre_eps = pre_eps;
+  config.post_scale = post_scale;
+  return config;
+}
+
+template <class Body>
+ffi::Error guarded(Body body) {
+  try {
+    body();
+    return ffi::Error::Success();
+  } catch (const mhc::Error& error) {
+    return ffi::Error::InvalidArgument(error.what());
+  } catch (const std::exception& error) {
+    return ffi::Error::Internal(std::string("mhc: ") + error.what());
+  }
+}
+
+// Appends the config attributes, in the order every Impl below lists them last.
+template <class Binding>
+auto with_config(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("n")
+      .template Attr<int64_t>("mix")
+      .template Attr<int64_t>("sinkhorn_iters")
+      .template Attr<float>("sinkhorn_eps")
+      .template Attr<float>("rms_eps")
+      .template Attr<float>("pre_eps")
+      .template Attr<float>("post_scale");
+}
+
+#define MHC_CONFIG_PARAMS                                                                      \
+  int64_t n, int64_t mix, int64_t iters, float sinkhorn_eps, float rms_eps, float pre_eps, \
+      float post_scale
+#define MHC_CONFIG_ARGS n, mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale
+
+ffi::Error PreForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+                          ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+                          ffi::Result<ffi::AnyBuffer> layer_in, ffi::Result<ffi::AnyBuffer> h_pre,
+                          ffi::Result<ffi::AnyBuffer> h_post, ffi::Result<ffi::AnyBuffer> h_res,
+                          MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_forward(make_config(xv, MHC_CONFIG_ARGS), xv,
+                     {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"),
+                      in(bias, "bias")},
+                     {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
+                      out(h_res, "h_res")});
+  });
+}
+
+ffi::Error PostForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post,
+                           ffi::AnyBuffer h_res, ffi::Result<ffi::AnyBuffer> result,
+                           MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::post_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
+                      in(h_post, "h_post"), in(h_res, "h_res"), out(result, "out"));
+  });
+}
+
+ffi::Error PostBackwardImpl(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::AnyBuffer layer_out,
+                            ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
+                            ffi::Result<ffi::AnyBuffer> dx_partial,
+                            ffi::Result<ffi::AnyBuffer> dlayer_out,
+                            ffi::Result<ffi::AnyBuffer> dh_post,
+                            ffi::Result<ffi::AnyBuffer> dh_res, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::post_backward(make_config(xv, MHC_CONFIG_ARGS), in(g, "g"), xv, in(layer_out, "layer_out"),
+                       in(h_post, "h_post"), in(h_res, "h_res"),
+                       {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"),
+                        out(dh_post, "dh_post"), out(dh_res, "dh_res")});
+  });
+}
+
+ffi::Error PreBackwardImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
+                           ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
+                           ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
+                           ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx,
+                           ffi::Result<ffi::AnyBuffer> dnorm_weight,
+                           ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
+                           ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_backward(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
+                      in(dx_partial, "dx_partial"), in(dh_post, "dh_post"), in(dh_res, "dh_res"),
+                      xv,
+                      {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"),
+                       in(bias, "bias")},
+                      out(dx, "dx"),
+                      {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"),
+                       out(dalpha, "dalpha"), out(dbias, "dbias")});
+  });
+}
+
+}  // namespace
+
+// x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForward, PreForwardImpl,
+                              with_config(ffi::Ffi::Bind()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()));
+
+// x, layer_out, h_post, h_res -> out
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostForward, PostForwardImpl,
+                              with_config(ffi::Ffi::Bind()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()));
+
+// g, x, layer_out, h_post, h_res -> dx_partial, dlayer_out, dh_post, dh_res
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostBackward, PostBackwardImpl,
+                              with_config(ffi::Ffi::Bind()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()));
+
+// dlayer_in, dx_partial, dh_post, dh_res, x, norm_weight, phi, alpha, bias
+//   -> dx, dnorm_weight, dphi, dalpha, dbias
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackward, PreBackwardImpl,
+                              with_config(ffi::Ffi::Bind()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::AnyBuffer>()));
+
+// The one registration table: target name -> handler. Python registers every entry.
+NB_MODULE(_mhc_cpu, module) {
+  module.doc() = "XLA FFI handlers of mhc for the CPU platform";
+  module.def("registrations", []() {
+    nanobind::dict table;
+    table["mhc_pre_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreForward));
+    table["mhc_post_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostForward));
+    table["mhc_post_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostBackward));
+    table["mhc_pre_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreBackward));
+    return table;
+  });
+}
