@@ -2,9 +2,12 @@
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DMHC_WERROR=ON
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
 
-.PHONY: setup configure build test bench demo clean
+.PHONY: setup configure build python test test-cpp test-python bench demo clean
 
+# Debian packages (scripts/setup.sh installs only what is missing).
 setup:
 	@bash scripts/setup.sh
 
@@ -14,18 +17,34 @@ configure: setup
 build: configure
 	@cmake --build $(BUILD) -j $(JOBS)
 
-# Every C++ test through CTest (GoogleTest cases, each its own process).
-test: build
+# The virtual environment with the pinned Python packages, rebuilt when the pins change.
+$(VENV)/.installed: requirements-dev.txt
+	@python3 -m venv $(VENV)
+	@$(VENV)/bin/pip install -q --upgrade pip
+	@$(VENV)/bin/pip install -q -r requirements-dev.txt
+	@touch $@
+
+# The mhc Python package (C++ core + XLA FFI handlers), built against the venv's jaxlib.
+python: setup $(VENV)/.installed
+	@$(VENV)/bin/pip install -q --no-build-isolation .
+
+test-cpp: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-python: python
+	@$(PYTHON) -m pytest -q tests/python
+
+# Every test: C++ (GoogleTest through CTest), then Python (pytest).
+test: test-cpp test-python
 
 # Google Benchmark timing of the four operations next to a large memcpy (the bandwidth limit).
 bench: build
 	@$(BUILD)/mhc_bench --benchmark_min_time=0.5
 
-# The main job. Until the JAX layer and the model demo land, it runs one mHC sublayer forward and
-# backward through the C++ API.
+# The main job. Until the model demo lands, it runs one mHC sublayer forward and backward
+# through the C++ API.
 demo: build
 	@$(BUILD)/mhc_example
 
 clean:
-	@rm -rf $(BUILD)
+	@rm -rf $(BUILD) $(VENV)

@@ -4,6 +4,11 @@ set -euo pipefail
 
 packages=(cmake g++ make libgtest-dev libbenchmark-dev)
 missing=()
+# The Python package is built in a virtual environment; Debian's python3 needs python3-venv and
+# the headers for that (a pyenv or other self-built python3 has both).
+if ! python3 -c "import venv, ensurepip, sysconfig, os; assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" 2>/dev/null; then
+  packages+=(python3-venv python3-dev)
+fi
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" || missing+=("$package")
 done

@@ -32,11 +32,11 @@ __all__ = [
 ]
 
 
-def _pre_kernel(x, params: Params, config: Config, reduce_axes):
+def _pre_kernel(x, params: Params, config: Config):
     from mhc.jax import _kernels
 
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    layer_in, x_ctx, h_post, h_res = _kernels.pre(config, reduce_axes, x.reshape(-1, n, d), params)
+    layer_in, x_ctx, h_post, h_res = _kernels.pre(config, x.reshape(-1, n, d), params)
     return layer_in.reshape(*lead, d), Context(
         x_ctx.reshape(x.shape), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n), config, True
     )
@@ -65,7 +65,7 @@ def pre(x: jax.Array, params: Params, config: Config, *, use_kernel: bool = True
     if not use_kernel:
         return reference.pre(x, params, config)
     check_pre_args(x, params, config)
-    return _pre_kernel(x, params, config, None)
+    return _pre_kernel(x, params, config)
 
 
 def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
@@ -97,24 +97,23 @@ def _axes_tuple(token_axes):
 def sharded_pre(x, params: Params, config: Config, *, mesh, token_axes):
     """``pre`` on the kernels with x's first axis sharded over the mesh axes ``token_axes``.
 
-    Parameters are replicated. Each device runs the C++ kernels on its local tokens; in the
-    backward the parameter gradients are summed over ``token_axes`` (psum), so ``jax.grad``
-    returns the same gradients as on one device. Use ``sharded_post`` with the returned context.
+    Parameters are replicated. Each device runs the C++ kernels on its local tokens; the
+    transpose of shard_map sums the replicated parameters' per-device gradients over the mesh
+    (psum), so ``jax.grad`` returns the same gradients as on one device (tests/python/
+    sharding_cases.py pins this). Use ``sharded_post`` with the returned context.
     """
     check_pre_args(x, params, config)
-    axes = _axes_tuple(token_axes)
-    x_spec = PartitionSpec(axes)
-    coefficient_spec = PartitionSpec(axes)
+    x_spec = PartitionSpec(_axes_tuple(token_axes))
 
     def local(x_local, params_local):
-        layer_in, ctx = _pre_kernel(x_local, params_local, config, axes)
+        layer_in, ctx = _pre_kernel(x_local, params_local, config)
         return layer_in, ctx.x, ctx.h_post, ctx.h_res
 
     layer_in, x_ctx, h_post, h_res = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(x_spec, PartitionSpec()),
-        out_specs=(x_spec, x_spec, coefficient_spec, coefficient_spec),
+        out_specs=(x_spec, x_spec, x_spec, x_spec),
         check_vma=False,
     )(x, params)
     return layer_in, Context(x_ctx, h_post, h_res, config, True)

@@ -5,9 +5,6 @@ Shapes here are flat: x [T, n, D]. The public functions in mhc.jax reshape leadi
 pre's custom VJP returns x itself as an extra output (the context's copy). post's backward sends
 its dx_partial back along that output, so pre's backward receives it as a cotangent and the C++
 pre_backward adds it while it writes dx: no separate pass to sum the two paths of dx.
-
-`reduce_axes` (a tuple of mesh axis names, or None) is for use inside shard_map: the parameter
-gradients of a device's local tokens are psum-ed over those axes in the backward.
 """
 
 from __future__ import annotations
@@ -66,26 +63,22 @@ def pre_backward(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, para
     return _call("mhc_pre_backward", config, types, dlayer_in, dx_partial, dh_post, dh_res, x, *params)
 
 
-def _reduce(grads, reduce_axes):
-    return grads if reduce_axes is None else jax.lax.psum(grads, reduce_axes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def pre(config: Config, reduce_axes, x, params: Params):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def pre(config: Config, x, params: Params):
     """-> layer_in [T, D], x (for the context), h_post [T, n], h_res [T, n, n]."""
     layer_in, _, h_post, h_res = pre_forward(config, x, params)
     return layer_in, x, h_post, h_res
 
 
-def _pre_fwd(config, reduce_axes, x, params):
-    return pre(config, reduce_axes, x, params), (x, params)
+def _pre_fwd(config, x, params):
+    return pre(config, x, params), (x, params)
 
 
-def _pre_bwd(config, reduce_axes, residuals, cotangents):
+def _pre_bwd(config, residuals, cotangents):
     x, params = residuals
     dlayer_in, dx_partial, dh_post, dh_res = cotangents
     dx, *grads = pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params)
-    return dx, _reduce(Params(*grads), reduce_axes)
+    return dx, Params(*grads)
 
 
 pre.defvjp(_pre_fwd, _pre_bwd)

@@ -41,7 +41,7 @@ def mix_matrix(config: Config, logits: jax.Array) -> jax.Array:
 def coefficients(x: jax.Array, params: Params, config: Config):
     """h_pre [..., n], h_post [..., n], h_res [..., n, n] in f32 (spec: Forward steps 1-5)."""
     n = config.n
-    flat = x.astype(jnp.float32).reshape(*x.shape[:-2], -1)
+    flat = x.astype(jnp.float32).reshape(*x.shape[:-2], n * x.shape[-1])
     r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + config.rms_eps)
     projection = jnp.matmul(flat * params.norm_weight, params.phi, precision=_HIGHEST)
     scale = jnp.concatenate(

@@ -1,0 +1,62 @@
+"""A Flax NNX layer: one mHC-wrapped sublayer, with the kernel switch of the original request."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+from mhc import jax as mhc_jax
+
+
+class ManifoldConstrainedHyperConnections(nnx.Module):
+    """pre -> norm_fn -> branch_fn -> post around one sublayer (attention or MLP).
+
+    Args:
+      config: ``mhc.jax.Config`` (n, mix, Sinkhorn settings).
+      dim: D, the features per stream.
+      use_kernel: True runs the fused C++ kernels (custom VJP); False the plain-JAX reference.
+      mesh, token_axes: optional; when given, the kernels run under ``jax.shard_map`` with the
+        first axis of x sharded over ``token_axes`` and the parameters replicated.
+      rngs: ``nnx.Rngs`` for the initial phi.
+    """
+
+    def __init__(
+        self,
+        config: mhc_jax.Config,
+        dim: int,
+        *,
+        use_kernel: bool = True,
+        mesh=None,
+        token_axes=None,
+        rngs: nnx.Rngs,
+    ):
+        if (mesh is None) != (token_axes is None):
+            raise ValueError("mesh and token_axes: pass both (sharded kernels) or neither")
+        if mesh is not None and not use_kernel:
+            raise ValueError("mesh: sharding applies to the kernel path; with use_kernel=False use jit shardings")
+        initial = mhc_jax.init_params(rngs.params(), config, dim)
+        self.config = config
+        self.dim = dim
+        self.use_kernel = use_kernel
+        self.mesh = mesh
+        self.token_axes = token_axes
+        self.norm_weight = nnx.Param(initial.norm_weight)
+        self.phi = nnx.Param(initial.phi)
+        self.alpha = nnx.Param(initial.alpha)
+        self.bias = nnx.Param(initial.bias)
+
+    def params(self) -> mhc_jax.Params:
+        return mhc_jax.Params(self.norm_weight[...], self.phi[...], self.alpha[...], self.bias[...])
+
+    def __call__(self, norm_fn: Callable, branch_fn: Callable, x: jax.Array) -> jax.Array:
+        if self.mesh is not None:
+            layer_in, ctx = mhc_jax.sharded_pre(
+                x, self.params(), self.config, mesh=self.mesh, token_axes=self.token_axes
+            )
+            return mhc_jax.sharded_post(
+                branch_fn(norm_fn(layer_in)), ctx, mesh=self.mesh, token_axes=self.token_axes
+            )
+        layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
+        return mhc_jax.post(branch_fn(norm_fn(layer_in)), ctx)

@@ -1,0 +1,129 @@
+"""The functional API around the kernels: helpers, T = 0, bad input, jit/vmap, and a short
+training run of a whole sublayer with and without the kernels."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mhc.jax as mj
+from conftest import random_params, relative_error
+
+
+def test_expand_and_reduce():
+    h = jnp.arange(6.0).reshape(2, 3)
+    x = mj.expand(h, 4)
+    assert x.shape == (2, 4, 3)
+    np.testing.assert_array_equal(mj.reduce(x), 4 * h)
+
+
+def test_init_params_layout():
+    config = mj.Config(n=4)
+    params = mj.init_params(jax.random.key(0), config, 8)
+    assert params.norm_weight.shape == (32,) and params.phi.shape == (32, 24)
+    assert params.bias.shape == (24,) and params.alpha.shape == (3,)
+    np.testing.assert_allclose(params.alpha, 0.01)
+    np.testing.assert_array_equal(params.bias, 0.0)
+    np.testing.assert_array_equal(params.norm_weight, 1.0)
+    assert 0.5 < float(jnp.std(params.phi)) * np.sqrt(32) < 1.5
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_zero_tokens(use_kernel):
+    config = mj.Config(n=3)
+    params = random_params(jax.random.key(1), config, 5)
+    x = jnp.zeros((0, 3, 5), jnp.float32)
+
+    def loss(x, params):
+        layer_in, ctx = mj.pre(x, params, config, use_kernel=use_kernel)
+        return mj.post(layer_in, ctx).sum()
+
+    value, (dx, dparams) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, params)
+    assert float(value) == 0.0 and dx.shape == x.shape
+    for grad in dparams:
+        np.testing.assert_array_equal(grad, 0.0)
+
+
+def test_bad_input_raises_before_any_call():
+    config = mj.Config(n=4)
+    params = random_params(jax.random.key(0), config, 8)
+    x = jnp.ones((3, 4, 8))
+    with pytest.raises(ValueError, match="x: expected 4 streams"):
+        mj.pre(jnp.ones((3, 3, 8)), params, config)
+    with pytest.raises(ValueError, match="rank >= 2"):
+        mj.pre(jnp.ones((8,)), params, config)
+    with pytest.raises(TypeError, match="x: expected dtype float32 or bfloat16, got int32"):
+        mj.pre(jnp.ones((3, 4, 8), jnp.int32), params, config)
+    with pytest.raises(TypeError, match="float32 or bfloat16, got float16"):
+        mj.pre(jnp.ones((3, 4, 8), jnp.float16), params, config)
+    with pytest.raises(ValueError, match=r"params.norm_weight: expected shape \(36,\)"):
+        mj.pre(jnp.ones((3, 4, 9)), params, config)  # D mismatch between x and params
+    with pytest.raises(ValueError, match="params.bias"):
+        mj.pre(x, params._replace(bias=jnp.zeros(23)), config)
+    with pytest.raises(TypeError, match="params.alpha: expected dtype float32"):
+        mj.pre(x, params._replace(alpha=params.alpha.astype(jnp.bfloat16)), config)
+    with pytest.raises(ValueError, match=r"Config.n: expected an int in 1..6 for mix='permutations'"):
+        mj.Config(n=7, mix="permutations")
+    with pytest.raises(ValueError, match="Config.mix"):
+        mj.Config(n=4, mix="dense")
+    with pytest.raises(ValueError, match="Config.sinkhorn_iters"):
+        mj.Config(n=4, sinkhorn_iters=0)
+    with pytest.raises(ValueError, match="Config.rms_eps"):
+        mj.Config(n=4, rms_eps=0.0)
+    _, ctx = mj.pre(x, params, config)
+    with pytest.raises(ValueError, match=r"layer_out: expected shape \(3, 8\)"):
+        mj.post(jnp.ones((3, 7)), ctx)
+    with pytest.raises(TypeError, match="ctx: expected the Context"):
+        mj.post(jnp.ones((3, 8)), (x, None, None))
+
+
+def test_vmap_over_a_batch_axis(seed):
+    config = mj.Config(n=2)
+    params = random_params(jax.random.key(seed), config, 6)
+    x = jax.random.normal(jax.random.key(seed + 1), (3, 5, 2, 6))
+
+    def one(xb):
+        layer_in, ctx = mj.pre(xb, params, config)
+        return mj.post(jnp.tanh(layer_in), ctx)
+
+    def one_reference(xb):
+        layer_in, ctx = mj.pre(xb, params, config, use_kernel=False)
+        return mj.post(jnp.tanh(layer_in), ctx)
+
+    assert relative_error(jax.vmap(one)(x), jax.vmap(one_reference)(x)) <= 1e-5
+
+
+def test_training_a_sublayer_matches_the_reference(seed):
+    """pre -> RMSNorm -> 2-layer MLP -> post, SGD for a few steps, kernel vs plain JAX."""
+    n, d, hidden = 4, 32, 64
+    config = mj.Config(n=n)
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(seed), 4)
+    state = {
+        "mhc": random_params(k1, config, d),
+        "w1": jax.random.normal(k2, (d, hidden)) / np.sqrt(d),
+        "w2": jax.random.normal(k3, (hidden, d)) / np.sqrt(hidden),
+    }
+    x = jax.random.normal(k4, (4, 16, n, d))
+    target = jnp.roll(x, 1, axis=-2)
+
+    def loss(state, use_kernel):
+        layer_in, ctx = mj.pre(x, state["mhc"], config, use_kernel=use_kernel)
+        normed = layer_in * jax.lax.rsqrt(jnp.mean(layer_in**2, -1, keepdims=True) + 1e-6)
+        out = mj.post(jax.nn.gelu(normed @ state["w1"]) @ state["w2"], ctx)
+        return jnp.mean((out - target) ** 2)
+
+    step = jax.jit(lambda s, k: _sgd(loss, s, k), static_argnums=1)
+    losses = {}
+    for use_kernel in (True, False):
+        s, history = state, []
+        for _ in range(8):
+            value, s = step(s, use_kernel)
+            history.append(float(value))
+        losses[use_kernel] = np.array(history)
+    assert losses[True][-1] < losses[True][0], "training did not reduce the loss"
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-4, err_msg=f"seed {seed}")
+
+
+def _sgd(loss, state, use_kernel):
+    value, grads = jax.value_and_grad(loss)(state, use_kernel)
+    return value, jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)

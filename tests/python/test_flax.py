@@ -1,0 +1,47 @@
+"""The Flax NNX layer: the kernel switch gives the same function and gradients."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import mhc.jax as mj
+from conftest import relative_error
+from mhc.flax import ManifoldConstrainedHyperConnections
+
+
+def rms_norm(h):
+    return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
+
+
+def make_layers(seed, config, d):
+    layers = {}
+    for use_kernel in (True, False):
+        layer = ManifoldConstrainedHyperConnections(config, d, use_kernel=use_kernel, rngs=nnx.Rngs(seed))
+        layer.alpha[...] = jnp.array([0.9, -1.1, 1.3])  # non-trivial coefficients
+        layer.bias[...] = jax.random.normal(jax.random.key(seed + 7), layer.bias[...].shape)
+        layers[use_kernel] = layer
+    return layers
+
+
+@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
+def test_kernel_switch_same_outputs_and_grads(seed, mix):
+    config, d = mj.Config(n=4, mix=mix), 24
+    layers = make_layers(seed, config, d)
+    x = jax.random.normal(jax.random.key(seed + 1), (2, 5, 4, d))
+    w = jax.random.normal(jax.random.key(seed + 2), (2, 5, 4, d))
+
+    def loss(layer, x):
+        return jnp.sum(layer(rms_norm, jnp.tanh, x) * w)
+
+    results = {k: nnx.value_and_grad(loss)(layer, x) for k, layer in layers.items()}
+    (value_k, grads_k), (value_r, grads_r) = results[True], results[False]
+    assert abs(float(value_k) - float(value_r)) <= 1e-5 * abs(float(value_r))
+    for name in ("norm_weight", "phi", "alpha", "bias"):
+        error = relative_error(getattr(grads_k, name)[...], getattr(grads_r, name)[...])
+        assert error <= 1e-5, f"d{name}: {error:.3g} (seed {seed})"
+
+
+def test_layer_validates_its_arguments():
+    with pytest.raises(ValueError, match="mesh and token_axes"):
+        ManifoldConstrainedHyperConnections(mj.Config(n=2), 8, mesh=object(), rngs=nnx.Rngs(0))
