@@ -43,7 +43,27 @@ def check(mesh_shape, axis_names, token_axes, mix, seed):
         assert error <= 1e-5, f"mesh {mesh_shape} {mix}: {jax.tree_util.keystr(path)} error {error:.3g} (seed {seed})"
     hlo = jax.jit(loss_sharded).lower(x, params).compile().as_text()
     assert "all-gather" not in hlo, f"mesh {mesh_shape}: the sharded forward gathers activations"
+    # Control: the unsharded kernel call on sharded inputs must gather (the check can fail).
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(token_axes))
+    control = jax.jit(loss_single).lower(jax.device_put(x, sharding), params).compile().as_text()
+    assert "all-gather" in control, "control: expected an all-gather for the opaque custom call"
     print(f"ok: mesh {mesh_shape} axes {token_axes} {mix}")
+
+
+def check_flax_layer(seed):
+    from flax import nnx
+
+    from mhc.flax import ManifoldConstrainedHyperConnections
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    config, d = mj.Config(n=3), 16
+    plain = ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed))
+    sharded = ManifoldConstrainedHyperConnections(config, d, mesh=mesh, token_axes="data", rngs=nnx.Rngs(seed))
+    x = jax.random.normal(jax.random.key(seed), (8, 5, 3, d))
+    want = plain(lambda h: h, jnp.tanh, x)
+    got = sharded(lambda h: h, jnp.tanh, x)
+    assert relative_error(got, want) <= 1e-6, "flax layer with a mesh differs from one device"
+    print("ok: flax layer with mesh")
 
 
 if __name__ == "__main__":
@@ -52,3 +72,4 @@ if __name__ == "__main__":
     for mix in ("sinkhorn", "permutations"):
         check((8,), ("data",), "data", mix, seed)
         check((4, 2), ("data", "seq"), ("data", "seq"), mix, seed)
+    check_flax_layer(seed)
