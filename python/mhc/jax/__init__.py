@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from mhc.jax import reference
+from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
 from mhc.jax._types import Config, Context, Params, check_post_args, check_pre_args, init_params
 
 __all__ = [
@@ -33,8 +33,6 @@ __all__ = [
 
 
 def _pre_kernel(x, params: Params, config: Config):
-    from mhc.jax import _kernels
-
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     layer_in, x_ctx, h_post, h_res = _kernels.pre(config, x.reshape(-1, n, d), params)
     return layer_in.reshape(*lead, d), Context(
@@ -43,8 +41,6 @@ def _pre_kernel(x, params: Params, config: Config):
 
 
 def _post_kernel(layer_out, ctx: Context):
-    from mhc.jax import _kernels
-
     n, d = ctx.x.shape[-2:]
     out = _kernels.post(
         ctx.config,
