@@ -5,7 +5,7 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DMHC_WERROR=ON
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup configure build python test test-cpp test-python bench demo clean
+.PHONY: setup configure build python test test-cpp test-python bench demo example clean
 
 # Debian packages (scripts/setup.sh installs only what is missing).
 setup:
@@ -41,9 +41,13 @@ test: test-cpp test-python
 bench: build
 	@$(BUILD)/mhc_bench --benchmark_min_time=0.5
 
-# The main job. Until the model demo lands, it runs one mHC sublayer forward and backward
-# through the C++ API.
-demo: build
+# The main job: train a small byte-level mHC transformer on the CPU with the fused kernels
+# (about 3 minutes on 2 cores); outputs in demo_output/. DEMO_ARGS passes flags, e.g. --compare.
+demo: python
+	@$(PYTHON) -m mhc.demo $(DEMO_ARGS)
+
+# One mHC sublayer forward and backward through the C++ API alone.
+example: build
 	@$(BUILD)/mhc_example
 
 clean:

@@ -46,6 +46,8 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         self.phi = nnx.Param(initial.phi)
         self.alpha = nnx.Param(initial.alpha)
         self.bias = nnx.Param(initial.bias)
+        # Diagnostics hook: when set (outside jit), called with each call's H_res [..., n, n].
+        self.on_mix = None
 
     def params(self) -> mhc_jax.Params:
         return mhc_jax.Params(self.norm_weight[...], self.phi[...], self.alpha[...], self.bias[...])
@@ -55,8 +57,11 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
             layer_in, ctx = mhc_jax.sharded_pre(
                 x, self.params(), self.config, mesh=self.mesh, token_axes=self.token_axes
             )
-            return mhc_jax.sharded_post(
-                branch_fn(norm_fn(layer_in)), ctx, mesh=self.mesh, token_axes=self.token_axes
-            )
-        layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
-        return mhc_jax.post(branch_fn(norm_fn(layer_in)), ctx)
+        else:
+            layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
+        if self.on_mix is not None:
+            self.on_mix(ctx.h_res)
+        layer_out = branch_fn(norm_fn(layer_in))
+        if self.mesh is not None:
+            return mhc_jax.sharded_post(layer_out, ctx, mesh=self.mesh, token_axes=self.token_axes)
+        return mhc_jax.post(layer_out, ctx)

@@ -1,0 +1,293 @@
+"""Train a small byte-level transformer whose residual stream is mHC, on the CPU, end to end.
+
+    python -m mhc.demo                       # defaults: ~3 minutes on 2 CPU cores
+    python -m mhc.demo --compare             # the same run with and without the fused kernels
+    python -m mhc.demo --data my.txt --steps 2000 --residual mhc-lite
+
+Writes metrics (JSON, CSV), loss curves and the Amax gain per depth (PNG), and samples text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import multiprocessing
+import os
+import resource
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CORPUS_BYTES = 4 << 20
+
+
+def load_corpus(path: str | None) -> bytes:
+    """The user's file, or the Python standard library's own .py sources (on every machine)."""
+    if path:
+        data = Path(path).read_bytes()
+    else:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        chunks, total = [], 0
+        for file in sorted(stdlib.glob("*.py")):
+            chunk = file.read_bytes()
+            chunks.append(chunk)
+            total += len(chunk)
+            if total >= DEFAULT_CORPUS_BYTES:
+                break
+        data = b"".join(chunks)
+    if len(data) < 1024:
+        raise SystemExit(f"--data: need at least 1 KiB of text, got {len(data)} bytes")
+    return data
+
+
+@dataclasses.dataclass
+class RunSpec:
+    name: str
+    steps: int
+    batch: int
+    seq_len: int
+    width: int
+    layers: int
+    heads: int
+    n: int
+    residual: str
+    use_kernel: bool
+    lr: float
+    seed: int
+    eval_every: int
+    eval_batches: int
+    sample_bytes: int
+    prompt: str
+    data: str | None
+    progress: bool = True
+
+
+def _batches(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator):
+    starts = rng.integers(0, len(data) - seq_len - 1, size=batch)
+    window = np.stack([data[s : s + seq_len + 1] for s in starts])
+    return window[:, :-1].astype(np.int32), window[:, 1:].astype(np.int32)
+
+
+def train(spec: RunSpec) -> dict:
+    """One training run; returns its metrics (and samples text from the trained model)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from tqdm import tqdm
+
+    from mhc.diagnostics import amax_gain
+    from mhc.models import ModelConfig, Transformer, loss_fn
+
+    corpus = np.frombuffer(load_corpus(spec.data), np.uint8)
+    split = int(0.9 * len(corpus))
+    train_data, val_data = corpus[:split], corpus[split:]
+    config = ModelConfig(width=spec.width, layers=spec.layers, heads=spec.heads, residual=spec.residual,
+                         n=spec.n, use_kernel=spec.use_kernel)
+    model = Transformer(config, rngs=nnx.Rngs(spec.seed))
+    optimizer = nnx.Optimizer(model, optax.adamw(spec.lr, weight_decay=0.01), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, tokens, targets):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens, targets)
+        optimizer.update(model, grads)
+        return loss
+
+    evaluate = nnx.jit(loss_fn)
+    rng = np.random.default_rng(spec.seed)
+    val_rng = np.random.default_rng(spec.seed + 1)
+    val_set = [_batches(val_data, spec.batch, spec.seq_len, val_rng) for _ in range(spec.eval_batches)]
+
+    def validation_loss():
+        return float(np.mean([float(evaluate(model, x, y)) for x, y in val_set]))
+
+    losses, val_losses = [], []
+    tokens_per_step = spec.batch * spec.seq_len
+    timed_tokens, timed_seconds = 0, 0.0
+    bar = tqdm(range(1, spec.steps + 1), desc=spec.name, disable=not spec.progress, file=sys.stderr,
+               dynamic_ncols=True)
+    for i in bar:
+        tokens, targets = _batches(train_data, spec.batch, spec.seq_len, rng)
+        start = time.perf_counter()
+        loss = float(step(model, optimizer, tokens, targets))
+        elapsed = time.perf_counter() - start
+        if i > 1:  # the first step compiles
+            timed_tokens += tokens_per_step
+            timed_seconds += elapsed
+        losses.append(loss)
+        if i % spec.eval_every == 0 or i == spec.steps:
+            val_losses.append((i, validation_loss()))
+        throughput = timed_tokens / timed_seconds if timed_seconds else 0.0
+        postfix = {"loss": f"{loss:.3f}", "tok/s": f"{throughput:,.0f}"}
+        if val_losses:
+            postfix["val"] = f"{val_losses[-1][1]:.3f}"
+        bar.set_postfix(postfix)
+    bar.close()
+
+    probe, _ = _batches(val_data, 2, spec.seq_len, np.random.default_rng(spec.seed + 2))
+    mixes = model.residual_mixes(jnp.asarray(probe))
+    forward_gain, backward_gain = amax_gain(mixes) if len(mixes) else (np.zeros(0), np.zeros(0))
+    return {
+        "name": spec.name,
+        "spec": dataclasses.asdict(spec),
+        "losses": losses,
+        "val_losses": val_losses,
+        "final_train_loss": float(np.mean(losses[-max(1, min(20, len(losses))):])),
+        "final_val_loss": val_losses[-1][1],
+        "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else float("nan"),
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "amax_forward": forward_gain.tolist(),
+        "amax_backward": backward_gain.tolist(),
+        "sample": sample_text(model, spec),
+    }
+
+
+def sample_text(model, spec: RunSpec) -> str:
+    """spec.sample_bytes bytes after spec.prompt, temperature 0.8, within one seq_len window."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    forward = nnx.jit(lambda m, t: m(t))
+    context = list(spec.prompt.encode())[-spec.seq_len :]
+    key = jax.random.key(spec.seed + 3)
+    generated = []
+    for _ in range(spec.sample_bytes):
+        window = context[-spec.seq_len :]
+        padded = np.zeros((1, spec.seq_len), np.int32)
+        padded[0, : len(window)] = window
+        logits = forward(model, jnp.asarray(padded))[0, len(window) - 1]
+        key, sub = jax.random.split(key)
+        token = int(jax.random.categorical(sub, logits / 0.8))
+        context.append(token)
+        generated.append(token)
+    return bytes(generated).decode("utf-8", errors="replace")
+
+
+def _train_in_subprocess(spec: RunSpec) -> dict:
+    # A fresh process per run, so each run's peak memory is its own.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(train, (spec,))
+
+
+def write_outputs(results: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "metrics.json").write_text(json.dumps({"runs": results}, indent=2))
+    with open(out / "metrics.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run", "step", "train_loss", "val_loss"])
+        for run in results:
+            val = dict(run["val_losses"])
+            for i, loss in enumerate(run["losses"], start=1):
+                writer.writerow([run["name"], i, f"{loss:.6f}", f"{val[i]:.6f}" if i in val else ""])
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in results:
+        steps = np.arange(1, len(run["losses"]) + 1)
+        line, = ax.plot(steps, run["losses"], alpha=0.5, lw=1, label=f"{run['name']} train")
+        val_steps, val_loss = zip(*run["val_losses"])
+        ax.plot(val_steps, val_loss, "o-", color=line.get_color(), label=f"{run['name']} validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    ax.set_title("Training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "loss.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
+    for run in results:
+        if not run["amax_forward"]:
+            continue
+        depth = np.arange(1, len(run["amax_forward"]) + 1)
+        axes[0].plot(depth, run["amax_forward"], "o-", label=run["name"])
+        axes[1].plot(depth, run["amax_backward"], "o-", label=run["name"])
+    largest = max([1.0] + [max(r["amax_forward"] + r["amax_backward"]) for r in results if r["amax_forward"]])
+    for ax, title in zip(axes, ("forward (max row sum)", "backward (max column sum)")):
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.ticklabel_format(axis="y", useOffset=False)
+        ax.set_ylim(0.0, max(2.0, 1.1 * largest))  # mHC keeps both near 1; HC without it can explode
+        ax.set_xlabel("sublayer depth")
+        ax.set_title(f"Amax gain, {title}")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean over tokens")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "amax_gain.png", dpi=120)
+    plt.close(fig)
+
+
+def print_summary(results: list[dict], out: Path) -> None:
+    print()
+    print(f"{'run':12} {'residual':9} {'kernel':7} {'train loss':>10} {'val loss':>9} {'tokens/s':>10} {'peak MiB':>9}")
+    for run in results:
+        spec = run["spec"]
+        print(f"{run['name']:12} {spec['residual']:9} {'yes' if spec['use_kernel'] else 'no':7} "
+              f"{run['final_train_loss']:10.3f} {run['final_val_loss']:9.3f} {run['tokens_per_s']:10,.0f} "
+              f"{run['peak_rss_mib']:9.0f}")
+    for run in results:
+        if run["amax_forward"]:
+            print(f"\n{run['name']}: Amax gain at the last depth: forward {run['amax_forward'][-1]:.3f}, "
+                  f"backward {run['amax_backward'][-1]:.3f}")
+        print(f"\n{run['name']} sample:\n{run['spec']['prompt']}{run['sample']}")
+    print(f"\nwrote {out}/metrics.json, metrics.csv, loss.png, amax_gain.png")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhc.demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--n", type=int, default=4, help="streams of the mHC residual")
+    parser.add_argument("--residual", choices=("plain", "mhc", "mhc-lite"), default="mhc")
+    parser.add_argument("--use-kernel", action=argparse.BooleanOptionalAction, default=True,
+                        help="fused C++ kernels (default) or the plain-JAX path")
+    parser.add_argument("--compare", action="store_true", help="run with and without the kernels")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--sample-bytes", type=int, default=200)
+    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--data", default=None, help="a text file to train on (default: Python's stdlib sources)")
+    parser.add_argument("--out", default="demo_output", help="output folder")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.batch < 1 or args.seq_len < 2:
+        parser.error("--steps and --batch must be >= 1, --seq-len >= 2")
+    if args.compare and args.residual == "plain":
+        parser.error("--compare switches the mHC kernels: use --residual mhc or mhc-lite")
+
+    base = dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, width=args.width,
+                layers=args.layers, heads=args.heads, n=args.n, residual=args.residual, lr=args.lr,
+                seed=args.seed, eval_every=args.eval_every, eval_batches=args.eval_batches,
+                sample_bytes=args.sample_bytes, prompt=args.prompt, data=args.data,
+                progress=not args.no_progress)
+    if args.compare:
+        specs = [RunSpec(name="kernel", use_kernel=True, **base), RunSpec(name="plain-jax", use_kernel=False, **base)]
+        results = [_train_in_subprocess(spec) for spec in specs]
+    else:
+        name = args.residual if args.residual == "plain" else f"{args.residual}-{'kernel' if args.use_kernel else 'jax'}"
+        results = [train(RunSpec(name=name, use_kernel=args.use_kernel, **base))]
+    out = Path(args.out)
+    write_outputs(results, out)
+    print_summary(results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
