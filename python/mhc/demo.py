@@ -171,8 +171,12 @@ def sample_text(model, spec: RunSpec) -> str:
 
 def _train_in_subprocess(spec: RunSpec) -> dict:
     # A fresh process per run, so each run's peak memory is its own.
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    pool = multiprocessing.get_context("spawn").Pool(1)
+    try:
         return pool.apply(train, (spec,))
+    finally:
+        pool.close()  # a clean exit of the worker (terminate() would leak its semaphores)
+        pool.join()
 
 
 def write_outputs(results: list[dict], out: Path) -> None:
