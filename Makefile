@@ -5,7 +5,7 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DMHC_WERROR=ON
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup configure build python test test-cpp test-python bench demo example clean
+.PHONY: setup configure build python test test-cpp test-python sanitize fuzz bench demo example clean
 
 # Debian packages (scripts/setup.sh installs only what is missing).
 setup:
@@ -34,8 +34,16 @@ test-cpp: build
 test-python: python
 	@$(PYTHON) -m pytest -q tests/python
 
-# Every test: C++ (GoogleTest through CTest), then Python (pytest).
-test: test-cpp test-python
+# The C++ tests under ASan + UBSan and under TSan (clang).
+sanitize: setup
+	@bash scripts/sanitize.sh
+
+# libFuzzer over the public C++ API for FUZZ_SECONDS (default 60).
+fuzz: setup
+	@bash scripts/fuzz.sh
+
+# Every test: C++ (GoogleTest through CTest), sanitizers, a bounded fuzz run, Python (pytest).
+test: test-cpp sanitize fuzz test-python
 
 # Google Benchmark timing of the four operations next to a large memcpy (the bandwidth limit).
 bench: build
@@ -51,4 +59,4 @@ example: build
 	@$(BUILD)/mhc_example
 
 clean:
-	@rm -rf $(BUILD) $(VENV)
+	@rm -rf $(BUILD) build-asan build-tsan build-fuzz $(VENV)
