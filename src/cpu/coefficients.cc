@@ -54,10 +54,10 @@ TokenCoefficients::TokenCoefficients(const Config& config, const float* alpha, c
   }
 }
 
-void TokenCoefficients::forward(const float* P, float r, float* h_pre, float* h_post,
+void TokenCoefficients::forward(const float* P, double r, float* h_pre, float* h_post,
                                 float* h_res) {
   for (int64_t c = 0; c < N_; ++c) {
-    logits_[c] = double{alpha_[group_of(c, n_)]} * (double{r} * P[c]) + bias_[c];
+    logits_[c] = double{alpha_[group_of(c, n_)]} * (r * P[c]) + bias_[c];
   }
   for (int64_t k = 0; k < n_; ++k) {
     h_pre[k] = static_cast<float>(sigmoid(logits_[k]) + config_.pre_eps);
@@ -110,9 +110,9 @@ void TokenCoefficients::permutations_forward(float* h_res) {
   for (int64_t e = 0; e < n * n; ++e) h_res[e] = static_cast<float>(mix[e]);
 }
 
-void TokenCoefficients::backward(const float* P, float r, const float* dh_pre,
+void TokenCoefficients::backward(const float* P, double r, const double* dh_pre,
                                  const float* dh_post, const float* dh_res, float* dP,
-                                 double* dP_wide, float* dr, double* dalpha, double* dbias) {
+                                 double* dP_wide, double* dr, double* dalpha, double* dbias) {
   const int64_t n = n_;
   double* da = dlogits_.data();
   for (int64_t k = 0; k < n; ++k) {
@@ -130,13 +130,13 @@ void TokenCoefficients::backward(const float* P, float r, const float* dh_pre,
   for (int64_t c = 0; c < N_; ++c) {
     const int group = group_of(c, n);
     dbias[c] += da[c];
-    dalpha[group] += da[c] * (double{r} * P[c]);
+    dalpha[group] += da[c] * (r * P[c]);
     const double dZ = alpha_[group] * da[c];
     dr_total += dZ * P[c];
     dP_wide[c] = r * dZ;
     dP[c] = static_cast<float>(dP_wide[c]);
   }
-  *dr = static_cast<float>(dr_total);
+  *dr = dr_total;
 }
 
 void TokenCoefficients::sinkhorn_backward(const float* dh_res, double* dlogits) {

@@ -8,6 +8,7 @@
 // dalpha sums such cancelling terms over all tokens, which f32 would leave at ~1e-5 relative.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -15,19 +16,24 @@
 
 namespace mhc::cpu {
 
+// r = 1 / sqrt(mean(x^2) + rms_eps) from a token's sum of squares over M values (spec step 1).
+inline double inverse_rms(double sum_of_squares, int64_t M, float rms_eps) {
+  return 1.0 / std::sqrt(sum_of_squares / static_cast<double>(M) + rms_eps);
+}
+
 class TokenCoefficients {
  public:
   TokenCoefficients(const Config& config, const float* alpha, const float* bias);
 
   // From P [N] and r: h_pre [n], h_post [n], h_res [n*n]. Keeps the logits and the Sinkhorn
   // history of this token for a following backward().
-  void forward(const float* P, float r, float* h_pre, float* h_post, float* h_res);
+  void forward(const float* P, double r, float* h_pre, float* h_post, float* h_res);
 
   // After forward() on the same token: from dh_pre, dh_post, dh_res to dP [N] (in f32 for the
   // input gradient, in double for the weight gradient) and dr; adds this token's terms to
   // dalpha [3] and dbias [N].
-  void backward(const float* P, float r, const float* dh_pre, const float* dh_post,
-                const float* dh_res, float* dP, double* dP_wide, float* dr, double* dalpha,
+  void backward(const float* P, double r, const double* dh_pre, const float* dh_post,
+                const float* dh_res, float* dP, double* dP_wide, double* dr, double* dalpha,
                 double* dbias);
 
  private:

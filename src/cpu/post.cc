@@ -74,10 +74,12 @@ void run_post_backward(const detail::Dims& dims, const X* g, const X* x, const L
       const float* hp = h_post + t * n;
       const float* hr = h_res + t * n * n;
       weighted_rows(nullptr, 0.0f, gt, n, hp, 1, D, dlo);
-      for (int64_t j = 0; j < n; ++j) dh_post[t * n + j] = dot(lo, gt + j * D, D);
+      for (int64_t j = 0; j < n; ++j) dh_post[t * n + j] = static_cast<float>(dot(lo, gt + j * D, D));
       for (int64_t i = 0; i < n; ++i) {
         weighted_rows(nullptr, 0.0f, gt, n, hr + i * n, 1, D, dxp + i * D);
-        for (int64_t j = 0; j < n; ++j) dh_res[(t * n + i) * n + j] = dot(xt + i * D, gt + j * D, D);
+        for (int64_t j = 0; j < n; ++j) {
+          dh_res[(t * n + i) * n + j] = static_cast<float>(dot(xt + i * D, gt + j * D, D));
+        }
       }
       store_from(dxp, dx_partial + t * M, M);
       store_from(dlo, dlayer_out + t * D, D);

@@ -69,7 +69,7 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
     std::vector<float> h_pre;            // [tile, n]
     std::vector<float> rms_term;         // [tile]: dr r^3 / M
     std::vector<float> unused;           // h_post, h_res of the recompute [n + n*n]
-    std::vector<float> dh_pre;           // [n]
+    std::vector<double> dh_pre;          // [n]
     TokenCoefficients coefficients;
   };
   constexpr bool kWiden = std::is_same_v<X, bf16>;
@@ -84,7 +84,7 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
                               std::vector<float>(static_cast<size_t>(tile * n)),
                               std::vector<float>(static_cast<size_t>(tile)),
                               std::vector<float>(static_cast<size_t>(n + n * n)),
-                              std::vector<float>(static_cast<size_t>(n)),
+                              std::vector<double>(static_cast<size_t>(n)),
                               TokenCoefficients(config, alpha, bias)});
   }
 
@@ -105,16 +105,16 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t token = t0 + t;
         const float* xt = xf + t * M;
-        const float r = 1.0f / std::sqrt(sum_squares(xt, M) / static_cast<float>(M) + config.rms_eps);
+        const double r = inverse_rms(sum_squares(xt, M), M, config.rms_eps);
         const float* P = s.P.data() + t * N;
         float* pre = s.h_pre.data() + t * n;
         s.coefficients.forward(P, r, pre, s.unused.data(), s.unused.data() + n);
         for (int64_t k = 0; k < n; ++k) s.dh_pre[k] = dot(xt + k * D, dli + t * D, D);
-        float dr = 0.0f;
+        double dr = 0.0;
         s.coefficients.backward(P, r, s.dh_pre.data(), dh_post + token * n, dh_res + token * n * n,
                                 s.dP.data() + t * N, s.dP_wide.data() + t * N, &dr,
                                 dalpha_chunk, dbias_chunk);
-        s.rms_term[t] = dr * r * r * r / static_cast<float>(M);
+        s.rms_term[t] = static_cast<float>(dr * r * r * r / static_cast<double>(M));
       }
 
       // Second sweep: dx and the weight gradient from the cached tile.

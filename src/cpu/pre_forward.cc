@@ -64,7 +64,7 @@ void run(const Config& config, const detail::Dims& dims, const X* x, const Param
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t token = t0 + t;
       const float* xt = xf + t * M;
-      const float r = 1.0f / std::sqrt(sum_squares(xt, M) / static_cast<float>(M) + config.rms_eps);
+      const double r = inverse_rms(sum_squares(xt, M), M, config.rms_eps);
       float* pre = h_pre + token * n;
       s.coefficients.forward(s.P.data() + t * N, r, pre, h_post + token * n, h_res + token * n * n);
       float* li = f32_target(layer_in + token * D, s.layer_in.data());

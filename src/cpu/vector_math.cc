@@ -12,10 +12,10 @@ constexpr int kLanes = 8;     // one AVX2 register of f32
 constexpr int64_t kBlock = 64;  // columns of M kept in L1 while the small dimension is swept
 
 // Fixed-order combination of the lane partial sums and the scalar tail.
-inline float combine(const float* lanes, float tail) {
-  const float a = (lanes[0] + lanes[4]) + (lanes[2] + lanes[6]);
-  const float b = (lanes[1] + lanes[5]) + (lanes[3] + lanes[7]);
-  return (a + b) + tail;
+inline double combine_wide(const double* lanes, double tail) {
+  const double low = (lanes[0] + lanes[4]) + (lanes[2] + lanes[6]);
+  const double high = (lanes[1] + lanes[5]) + (lanes[3] + lanes[7]);
+  return (low + high) + tail;
 }
 
 // TB tokens x CB columns of project() sharing their loads; every (t, c) sees the same
@@ -58,10 +58,7 @@ inline void project_block(const float* x, int64_t M, const float* wt, float* P, 
     for (int c = 0; c < CB; ++c) {
       double tail = 0.0;
       for (int64_t k = m; k < M; ++k) tail += static_cast<double>(x[t * M + k]) * wt[c * M + k];
-      const double* lanes = total[t][c];
-      const double low = (lanes[0] + lanes[4]) + (lanes[2] + lanes[6]);
-      const double high = (lanes[1] + lanes[5]) + (lanes[3] + lanes[7]);
-      P[t * N + c] = static_cast<float>((low + high) + tail);
+      P[t * N + c] = static_cast<float>(combine_wide(total[t][c], tail));
     }
   }
 }
@@ -78,7 +75,7 @@ MHC_CLONES void narrow(const float* src, bf16* dst, int64_t count) {
   for (int64_t k = 0; k < count; ++k) dst[k] = to_bf16(src[k]);
 }
 
-MHC_CLONES float dot(const float* a, const float* b, int64_t count) {
+MHC_CLONES double dot(const float* a, const float* b, int64_t count) {
   double lanes[kLanes] = {};
   int64_t k = 0;
   for (; k + kLanes <= count; k += kLanes) {
@@ -86,20 +83,18 @@ MHC_CLONES float dot(const float* a, const float* b, int64_t count) {
   }
   double tail = 0.0;
   for (; k < count; ++k) tail += static_cast<double>(a[k]) * b[k];
-  const double low = (lanes[0] + lanes[4]) + (lanes[2] + lanes[6]);
-  const double high = (lanes[1] + lanes[5]) + (lanes[3] + lanes[7]);
-  return static_cast<float>((low + high) + tail);
+  return combine_wide(lanes, tail);
 }
 
-MHC_CLONES float sum_squares(const float* x, int64_t count) {
-  float lanes[kLanes] = {};
+MHC_CLONES double sum_squares(const float* x, int64_t count) {
+  double lanes[kLanes] = {};
   int64_t k = 0;
   for (; k + kLanes <= count; k += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += x[k + l] * x[k + l];
+    for (int l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(x[k + l]) * x[k + l];
   }
-  float tail = 0.0f;
-  for (; k < count; ++k) tail += x[k] * x[k];
-  return combine(lanes, tail);
+  double tail = 0.0;
+  for (; k < count; ++k) tail += static_cast<double>(x[k]) * x[k];
+  return combine_wide(lanes, tail);
 }
 
 MHC_CLONES void weighted_rows(const float* first, float first_weight, const float* rows,

@@ -14,10 +14,12 @@ namespace mhc::cpu {
 void widen(const bf16* src, float* dst, int64_t count);
 void narrow(const float* src, bf16* dst, int64_t count);
 
-// Accumulates in double: dot products feed dh_pre, dh_post and dh_res, whose per-token sums of
-// signed terms can cancel far below the size of the terms.
-float dot(const float* a, const float* b, int64_t count);
-float sum_squares(const float* x, int64_t count);
+// Accumulate in double and return double: dot products feed dh_pre, dh_post and dh_res, whose
+// per-token sums of signed terms can cancel far below the size of the terms, and the sum of
+// squares sets r, which scales every logit of the token (f32 lanes left ~eps*sqrt(M/8) in r, and
+// dalpha, a cancelling sum over tokens of da*Z, magnified it past 1e-5).
+double dot(const float* a, const float* b, int64_t count);
+double sum_squares(const float* x, int64_t count);
 void axpy(float a, const float* x, float* y, int64_t count);  // y += a*x
 
 // out[d] = first_weight * first[d] + sum_r weights[r * weight_stride] * rows[r * D + d], summed in
