@@ -34,9 +34,13 @@ def test_kernel_switch_same_outputs_and_grads(seed, mix):
     def loss(layer, x):
         return jnp.sum(layer(rms_norm, jnp.tanh, x) * w)
 
-    results = {k: nnx.value_and_grad(loss)(layer, x) for k, layer in layers.items()}
-    (value_k, grads_k), (value_r, grads_r) = results[True], results[False]
-    assert abs(float(value_k) - float(value_r)) <= 1e-5 * abs(float(value_r))
+    # Compare the streams, not the scalar loss: a random-weighted sum cancels, and its relative
+    # error says nothing about the layer.
+    outputs = {k: layer(rms_norm, jnp.tanh, x) for k, layer in layers.items()}
+    error = relative_error(outputs[True], outputs[False])
+    assert error <= 1e-5, f"outputs: {error:.3g} (seed {seed})"
+    grads_k = nnx.grad(loss)(layers[True], x)
+    grads_r = nnx.grad(loss)(layers[False], x)
     for name in ("norm_weight", "phi", "alpha", "bias"):
         error = relative_error(getattr(grads_k, name)[...], getattr(grads_r, name)[...])
         assert error <= 1e-5, f"d{name}: {error:.3g} (seed {seed})"
