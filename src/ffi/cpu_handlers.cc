@@ -75,17 +75,26 @@ ffi::Error guarded(Body body) {
   }
 }
 
-// Appends the config attributes, in the order every Impl below lists them last.
-template <class Binding>
-auto with_config(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("n")
-      .template Attr<int64_t>("mix")
-      .template Attr<int64_t>("sinkhorn_iters")
-      .template Attr<float>("sinkhorn_eps")
-      .template Attr<float>("rms_eps")
-      .template Attr<float>("pre_eps")
-      .template Attr<float>("post_scale");
+// The binding of a handler: `Args` buffer arguments, `Rets` buffer results (all AnyBuffer; the
+// operations check dtypes and shapes themselves), then the config attributes, in the order every
+// Impl below lists its parameters. Bindings are move-only and built by chaining, so the
+// recursion passes each step's result straight on.
+template <int Args, int Rets, class Binding>
+auto handler_binding(Binding binding) {
+  if constexpr (Args > 0) {
+    return handler_binding<Args - 1, Rets>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (Rets > 0) {
+    return handler_binding<0, Rets - 1>(std::move(binding).template Ret<ffi::AnyBuffer>());
+  } else {
+    return std::move(binding)
+        .template Attr<int64_t>("n")
+        .template Attr<int64_t>("mix")
+        .template Attr<int64_t>("sinkhorn_iters")
+        .template Attr<float>("sinkhorn_eps")
+        .template Attr<float>("rms_eps")
+        .template Attr<float>("pre_eps")
+        .template Attr<float>("post_scale");
+  }
 }
 
 #define MHC_CONFIG_PARAMS                                                                      \
@@ -157,57 +166,20 @@ ffi::Error PreBackwardImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
 
 // x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForward, PreForwardImpl,
-                              with_config(ffi::Ffi::Bind()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()));
+                              (handler_binding<5, 4>(ffi::Ffi::Bind())));
 
 // x, layer_out, h_post, h_res -> out
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostForward, PostForwardImpl,
-                              with_config(ffi::Ffi::Bind()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()));
+                              (handler_binding<4, 1>(ffi::Ffi::Bind())));
 
 // g, x, layer_out, h_post, h_res -> dx_partial, dlayer_out, dh_post, dh_res
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostBackward, PostBackwardImpl,
-                              with_config(ffi::Ffi::Bind()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()));
+                              (handler_binding<5, 4>(ffi::Ffi::Bind())));
 
 // dlayer_in, dx_partial, dh_post, dh_res, x, norm_weight, phi, alpha, bias
 //   -> dx, dnorm_weight, dphi, dalpha, dbias
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackward, PreBackwardImpl,
-                              with_config(ffi::Ffi::Bind()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::AnyBuffer>()));
+                              (handler_binding<9, 5>(ffi::Ffi::Bind())));
 
 // The one registration table: target name -> handler. Python registers every entry.
 NB_MODULE(_mhc_cpu, module) {
