@@ -127,9 +127,9 @@ class Transformer(nnx.Module):
 
 def loss_fn(model: Transformer, tokens, targets):
     logits = model(tokens)
-    return optax_cross_entropy(logits, targets)
+    return cross_entropy(logits, targets)
 
 
-def optax_cross_entropy(logits, targets):
+def cross_entropy(logits, targets):
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))

@@ -43,7 +43,6 @@ float pick_float(FuzzedDataProvider& data, float usual) {
 struct Views {
   Arena arena;
   FuzzedDataProvider& data;
-  int64_t T;
 
   // A view over a fresh exact buffer; sometimes null data, a wrong dtype or a perturbed shape.
   mhc::MutableTensorRef make(std::initializer_list<int64_t> shape, mhc::DType dtype) {
@@ -95,7 +94,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   const int64_t M = n * D;
   constexpr auto f32 = mhc::DType::f32;
 
-  Views v{Arena{}, data, T};
+  Views v{Arena{}, data};
   try {
     const mhc::Params params{v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)};
     const mhc::TensorRef x = v.make({T, n, D}, x_dtype);
