@@ -30,10 +30,16 @@ struct Config {
   float rms_eps = 1e-6f;
   float pre_eps = 1e-6f;
   float post_scale = 2.0f;
+  // Tensor parallelism: the number of equal slices D is split into across devices. The tensors
+  // of one call then hold one slice, D / tensor_parallel features of every stream (see the
+  // split operations in mhc/ops.h); 1 means the call sees all of D.
+  int64_t tensor_parallel = 1;
 };
 
-// M = n*D: one token's flattened streams.
+// M = n*D: one token's flattened streams (all of D, whatever tensor_parallel is).
 int64_t flat_width(const Config& config);
+// D / tensor_parallel: the features per stream that one call's tensors hold.
+int64_t local_dim(const Config& config);
 // R: n*n for Sinkhorn, n! for permutations.
 int64_t residual_logits(const Config& config);
 // N = 2n + R: columns of phi and entries of bias.
@@ -41,7 +47,8 @@ int64_t projection_width(const Config& config);
 
 // Throws mhc::Error naming the field when the config is outside what the spec allows:
 // 1 <= n <= 16 (<= 6 for permutations), D >= 1, 1 <= sinkhorn_iters <= 10000,
-// eps values finite and >= 0 with rms_eps > 0, post_scale finite.
+// eps values finite and >= 0 with rms_eps > 0, post_scale finite, tensor_parallel >= 1 and
+// dividing D.
 void validate(const Config& config, const char* op = "mhc::Config");
 
 // The p-th permutation of range(n) in lexicographic order (p = 0 is the identity):

@@ -17,6 +17,9 @@
 // Errors. Every entry point validates the config and every view (null data, dtype, shape,
 // byte sizes that overflow) and throws mhc::Error naming the argument before touching memory.
 // T = x.shape[0] may be 0: nothing is read, and parameter gradients are set to zero.
+//
+// Shapes below are for config.tensor_parallel == 1; with D split, every D in a shape is the
+// slice's D / tensor_parallel (see "Tensor parallelism" further down).
 #pragma once
 
 #include <cstdint>
@@ -78,6 +81,47 @@ void post_backward(const Config& config, const TensorRef& g, const TensorRef& x,
 void pre_backward(const Config& config, const TensorRef& dlayer_in, const TensorRef& dx_partial,
                   const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
                   const Params& params, const MutableTensorRef& dx, const ParamGrads& grads);
+
+// Tensor parallelism: D split into config.tensor_parallel equal slices, one per device.
+//
+// Each device holds its slice of every stream, x [T, n, Dl] with Dl = D / tensor_parallel, the
+// matching rows of norm_weight [n*Dl] and phi [n*Dl, N] (rows k*D + d for the slice's d, in
+// order), and all of alpha and bias. The RMS and the projection sum over all of n*D, so the
+// fused pre operations (which require tensor_parallel == 1) are split in two, with a sum of small
+// per-token partials across the devices (an all-reduce) in between:
+//
+//   forward:  pre_forward_partials -> all-reduce [T, N+1] -> pre_forward_finish -> F ->
+//             post_forward (local in D as it is)
+//   backward: post_backward (its dh_post, dh_res are this slice's partial sums) -> back through
+//             F -> pre_backward_partials -> all-reduce dh_pre, dh_post, dh_res ->
+//             pre_backward_finish
+//
+// With one device, pre_forward and pre_backward do the same work in one pass over x.
+
+// partials [T, N+1] f32: [t, c] = sum over the slice of x[t, m] norm_weight[m] phi[m, c] for
+// c < N, and [t, N] = sum over the slice of x[t, m]^2 (spec: Forward steps 1-2, before r).
+void pre_forward_partials(const Config& config, const TensorRef& x, const TensorRef& norm_weight,
+                          const TensorRef& phi, const MutableTensorRef& partials);
+
+// From the partials summed over all slices: the coefficients (the same on every device) and
+// this slice of layer_in [T, Dl] (spec: Forward steps 3-6).
+void pre_forward_finish(const Config& config, const TensorRef& x, const TensorRef& partials,
+                        const TensorRef& alpha, const TensorRef& bias,
+                        const PreForwardOutputs& outputs);
+
+// dh_pre [T, n] f32, this slice's part: [t, k] = sum over the slice of x[t, k, d] dlayer_in[t, d].
+void pre_backward_partials(const Config& config, const TensorRef& dlayer_in, const TensorRef& x,
+                           const MutableTensorRef& dh_pre);
+
+// From dh_pre, dh_post, dh_res summed over all slices and the forward's summed partials (so
+// nothing is recomputed across devices): this slice of dx [T, n, Dl], the gradients of this
+// slice's rows of norm_weight and phi, and the whole gradients of alpha and bias (every device
+// computes the same values; sum them over the token shards only).
+void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
+                         const TensorRef& dx_partial, const TensorRef& dh_pre,
+                         const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                         const TensorRef& partials, const Params& params,
+                         const MutableTensorRef& dx, const ParamGrads& grads);
 
 // Threads used by the operations; values < 1 restore the default (MHC_NUM_THREADS, else the
 // number of hardware threads).

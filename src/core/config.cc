@@ -19,6 +19,8 @@ const char* to_string(Mix mix) {
 
 int64_t flat_width(const Config& config) { return config.n * config.dim; }
 
+int64_t local_dim(const Config& config) { return config.dim / config.tensor_parallel; }
+
 int64_t residual_logits(const Config& config) {
   if (config.mix == Mix::sinkhorn) return config.n * config.n;
   int64_t factorial = 1;
@@ -59,6 +61,11 @@ void validate(const Config& config, const char* op) {
     throw Error(op, "config.sinkhorn_iters",
                 "expected 1 <= sinkhorn_iters <= " + std::to_string(kMaxSinkhornIters) +
                     ", got " + std::to_string(config.sinkhorn_iters));
+  }
+  if (config.tensor_parallel < 1 || config.dim % config.tensor_parallel != 0) {
+    throw Error(op, "config.tensor_parallel",
+                "expected a divisor of D = " + std::to_string(config.dim) +
+                    " (equal slices of D), got " + std::to_string(config.tensor_parallel));
   }
   check_eps(op, "sinkhorn_eps", config.sinkhorn_eps, true);
   check_eps(op, "rms_eps", config.rms_eps, false);

@@ -18,11 +18,13 @@ std::string shape_text(const std::vector<int64_t>& dims) {
 }
 }  // namespace
 
-ArgumentChecker::ArgumentChecker(const char* op, const Config& config) : op_(op) {
+ArgumentChecker::ArgumentChecker(const char* op, const Config& config)
+    : op_(op), tensor_parallel_(config.tensor_parallel) {
   validate(config, op);
   dims_.n = config.n;
-  dims_.D = config.dim;
-  dims_.M = flat_width(config);
+  dims_.D = local_dim(config);
+  dims_.M = config.n * dims_.D;
+  dims_.M_full = flat_width(config);
   dims_.R = residual_logits(config);
   dims_.N = projection_width(config);
 }
@@ -32,7 +34,8 @@ void ArgumentChecker::tokens(const char* name, const TensorRef& view) {
       view.shape[0] < 0) {
     throw Error(op_, name,
                 "expected shape [T, " + std::to_string(dims_.n) + ", " + std::to_string(dims_.D) +
-                    "] with T >= 0 (n and D from the config), got " + view.shape_string());
+                    "] with T >= 0 (n and D / tensor_parallel from the config), got " +
+                    view.shape_string());
   }
   if (view.dtype != DType::f32 && view.dtype != DType::bf16) {
     throw Error(op_, name, "expected dtype f32 or bf16, got an unknown dtype value");
@@ -49,6 +52,14 @@ void ArgumentChecker::tensor(const char* name, const TensorRef& view,
 void ArgumentChecker::output(const char* name, const MutableTensorRef& view,
                              std::initializer_list<int64_t> expected, DType dtype) {
   check_view(name, view, std::vector<int64_t>(expected), dtype, true);
+}
+
+void ArgumentChecker::whole_dim(const char* split_ops) {
+  if (tensor_parallel_ != 1) {
+    throw Error(op_, "config.tensor_parallel",
+                "expected 1: this fused operation needs all of D; with D split across devices use " +
+                    std::string(split_ops) + ", got " + std::to_string(tensor_parallel_));
+  }
 }
 
 void ArgumentChecker::params(const Params& params) {

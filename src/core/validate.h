@@ -17,8 +17,9 @@ namespace mhc::detail {
 struct Dims {
   int64_t T = 0;  // tokens
   int64_t n = 0;  // streams
-  int64_t D = 0;  // features per stream
+  int64_t D = 0;  // features per stream in this call's tensors (a slice when tensor_parallel > 1)
   int64_t M = 0;  // n*D
+  int64_t M_full = 0;  // n * config.dim: the values one token's RMS averages over, all slices
   int64_t R = 0;  // residual logits
   int64_t N = 0;  // projection width 2n + R
 };
@@ -37,6 +38,8 @@ class ArgumentChecker {
               DType dtype);
   void output(const char* name, const MutableTensorRef& view,
               std::initializer_list<int64_t> expected, DType dtype);
+  // For the fused pre operations, which need every feature of a token: tensor_parallel == 1.
+  void whole_dim(const char* split_ops);
   void params(const Params& params);
   void grads(const ParamGrads& grads);
   void finish() const;
@@ -54,6 +57,7 @@ class ArgumentChecker {
                   DType dtype, bool written);
 
   const char* op_;
+  int64_t tensor_parallel_;
   Dims dims_;
   std::vector<Span> spans_;
 };

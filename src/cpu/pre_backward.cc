@@ -1,4 +1,6 @@
-// pre_backward on the CPU (spec: Backward from "Pre-apply" to the end).
+// pre_backward on the CPU (spec: Backward from "Pre-apply" to the end), fused and split for
+// tensor parallelism (pre_backward_finish reads P, the sum of squares and dh_pre from the
+// caller's all-reduced partials instead of computing them from this slice of x).
 //
 // Per token tile, first sweep: recompute r, P (projection), the gates and the whole Sinkhorn
 // history; dH_pre = <x_k, dli>; the per-token coefficient backward gives dP and dr.
@@ -31,10 +33,17 @@ int64_t chunk_count(int64_t tiles, int64_t M, int64_t N) {
   return std::min({tiles, kMaxChunks, affordable});
 }
 
+// What the split form supplies instead of computing it: summed partials [T, N+1] (P and the sum
+// of squares) and the summed dh_pre [T, n]; both null in the fused form.
+struct Supplied {
+  const float* partials = nullptr;
+  const float* dh_pre = nullptr;
+};
+
 template <class X>
 void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, const X* dx_partial,
-         const float* dh_post, const float* dh_res, const X* x, const Params& params, X* dx,
-         const ParamGrads& grads) {
+         const float* dh_post, const float* dh_res, const X* x, Supplied supplied,
+         const Params& params, X* dx, const ParamGrads& grads) {
   const int64_t T = dims.T, n = dims.n, D = dims.D, M = dims.M, N = dims.N;
   const auto* norm_weight = static_cast<const float*>(params.norm_weight.data);
   const auto* phi = static_cast<const float*>(params.phi.data);
@@ -100,21 +109,31 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
       const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in.data());
 
-      // First sweep: recompute, then the coefficient backward per token.
-      project(xf, tokens, M, wt.data(), N, s.P.data());
+      // First sweep: recompute (or read) P and r, then the coefficient backward per token.
+      if (supplied.partials == nullptr) project(xf, tokens, M, wt.data(), N, s.P.data());
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t token = t0 + t;
         const float* xt = xf + t * M;
-        const double r = inverse_rms(sum_squares(xt, M), M, config.rms_eps);
         const float* P = s.P.data() + t * N;
+        double squares = 0.0;
+        if (supplied.partials == nullptr) {
+          squares = sum_squares(xt, M);
+        } else {
+          P = supplied.partials + token * (N + 1);
+          squares = P[N];
+        }
+        const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
         float* pre = s.h_pre.data() + t * n;
         s.coefficients.forward(P, r, pre, s.unused.data(), s.unused.data() + n);
-        for (int64_t k = 0; k < n; ++k) s.dh_pre[k] = dot(xt + k * D, dli + t * D, D);
+        for (int64_t k = 0; k < n; ++k) {
+          s.dh_pre[k] = supplied.dh_pre != nullptr ? supplied.dh_pre[token * n + k]
+                                                   : dot(xt + k * D, dli + t * D, D);
+        }
         double dr = 0.0;
         s.coefficients.backward(P, r, s.dh_pre.data(), dh_post + token * n, dh_res + token * n * n,
                                 s.dP.data() + t * N, s.dP_wide.data() + t * N, &dr,
                                 dalpha_chunk, dbias_chunk);
-        s.rms_term[t] = static_cast<float>(dr * r * r * r / static_cast<double>(M));
+        s.rms_term[t] = static_cast<float>(dr * r * r * r / static_cast<double>(dims.M_full));
       }
 
       // Second sweep: dx and the weight gradient from the cached tile.
@@ -159,23 +178,69 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   }
 }
 
+template <class X>
+void run_partials(const detail::Dims& dims, const X* dlayer_in, const X* x, float* dh_pre) {
+  const int64_t T = dims.T, n = dims.n, D = dims.D, M = dims.M;
+  const int64_t tile = post_tile_tokens(M);
+  const int64_t tasks = ceil_div(T, tile);
+  ThreadPool& pool = ThreadPool::instance();
+  const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), tasks));
+  constexpr bool kWiden = std::is_same_v<X, bf16>;
+  struct Scratch {
+    std::vector<float> x, dlayer_in;
+  };
+  std::vector<Scratch> scratch;
+  for (int w = 0; w < workers; ++w) {
+    scratch.push_back(Scratch{std::vector<float>(kWiden ? static_cast<size_t>(M) : 0),
+                              std::vector<float>(kWiden ? static_cast<size_t>(D) : 0)});
+  }
+  pool.parallel_for(tasks, workers, [&](int64_t task, int worker) {
+    Scratch& s = scratch[static_cast<size_t>(worker)];
+    const int64_t end = std::min(T, (task + 1) * tile);
+    for (int64_t t = task * tile; t < end; ++t) {
+      const float* xt = as_f32(x + t * M, M, s.x.data());
+      const float* dli = as_f32(dlayer_in + t * D, D, s.dlayer_in.data());
+      for (int64_t k = 0; k < n; ++k) dh_pre[t * n + k] = static_cast<float>(dot(xt + k * D, dli, D));
+    }
+  });
+}
+
+void run_any(const Config& config, const detail::Dims& dims, const TensorRef& dlayer_in,
+             const TensorRef& dx_partial, const TensorRef& dh_post, const TensorRef& dh_res,
+             const TensorRef& x, Supplied supplied, const Params& params,
+             const MutableTensorRef& dx, const ParamGrads& grads) {
+  with_activation_type(x.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    run(config, dims, static_cast<const X*>(dlayer_in.data), static_cast<const X*>(dx_partial.data),
+        static_cast<const float*>(dh_post.data), static_cast<const float*>(dh_res.data),
+        static_cast<const X*>(x.data), supplied, params, static_cast<X*>(dx.data), grads);
+  });
+}
+
 }  // namespace
 
 void pre_backward(const Config& config, const detail::Dims& dims, const TensorRef& dlayer_in,
                   const TensorRef& dx_partial, const TensorRef& dh_post, const TensorRef& dh_res,
                   const TensorRef& x, const Params& params, const MutableTensorRef& dx,
                   const ParamGrads& grads) {
-  const auto* dhp = static_cast<const float*>(dh_post.data);
-  const auto* dhr = static_cast<const float*>(dh_res.data);
-  if (x.dtype == DType::bf16) {
-    run(config, dims, static_cast<const bf16*>(dlayer_in.data),
-        static_cast<const bf16*>(dx_partial.data), dhp, dhr, static_cast<const bf16*>(x.data),
-        params, static_cast<bf16*>(dx.data), grads);
-  } else {
-    run(config, dims, static_cast<const float*>(dlayer_in.data),
-        static_cast<const float*>(dx_partial.data), dhp, dhr, static_cast<const float*>(x.data),
-        params, static_cast<float*>(dx.data), grads);
-  }
+  run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x, Supplied{}, params, dx, grads);
+}
+
+void pre_backward_partials(const detail::Dims& dims, const TensorRef& dlayer_in,
+                           const TensorRef& x, float* dh_pre) {
+  with_activation_type(x.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    run_partials(dims, static_cast<const X*>(dlayer_in.data), static_cast<const X*>(x.data), dh_pre);
+  });
+}
+
+void pre_backward_finish(const Config& config, const detail::Dims& dims,
+                         const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                         const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
+                         const TensorRef& x, const float* partials, const Params& params,
+                         const MutableTensorRef& dx, const ParamGrads& grads) {
+  run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x, Supplied{partials, dh_pre},
+          params, dx, grads);
 }
 
 }  // namespace mhc::cpu

@@ -1,6 +1,10 @@
-// pre_forward on the CPU (spec: Forward steps 1-6). Per token tile: one sweep computes the sum of
-// squares and the projection P = x (norm_weight * phi), the per-token math turns them into the
-// coefficients, and a second sweep over the same cached tile applies H_pre.
+// pre_forward on the CPU (spec: Forward steps 1-6), fused and split for tensor parallelism.
+//
+// Fused, per token tile: one sweep computes the sum of squares and the projection
+// P = x (norm_weight * phi), the per-token math turns them into the coefficients, and a second
+// sweep over the same cached tile applies H_pre. The split form runs the first sweep alone
+// (pre_forward_partials) and, after the caller's all-reduce, the rest from the summed partials
+// (pre_forward_finish).
 #include <cmath>
 #include <type_traits>
 
@@ -26,47 +30,67 @@ std::vector<float> fold_weight(const float* norm_weight, const float* phi, int64
 
 namespace {
 
+// Where each token's projection P [N] and sum of squares come from: computed from the tile of x
+// with the folded weight `wt`, or read from summed partials [T, N+1] (wt is then null).
+struct ProjectionSource {
+  const float* wt = nullptr;
+  const float* partials = nullptr;
+};
+
+// Per-worker buffers of the pre operations, sized for one tile.
+struct PreScratch {
+  std::vector<float> x;         // tile of x widened to f32 (bf16 only)
+  std::vector<float> P;         // [tile, N]
+  std::vector<float> layer_in;  // [D] (bf16 only)
+  TokenCoefficients coefficients;
+};
+
 template <class X>
-void run(const Config& config, const detail::Dims& dims, const X* x, const Params& params,
-         X* layer_in, float* h_pre, float* h_post, float* h_res) {
+std::vector<PreScratch> make_scratch(const Config& config, const detail::Dims& dims, int64_t tile,
+                                     int workers, const float* alpha, const float* bias) {
+  constexpr bool kWiden = std::is_same_v<X, bf16>;
+  std::vector<PreScratch> scratch;
+  for (int w = 0; w < workers; ++w) {
+    scratch.push_back(PreScratch{std::vector<float>(kWiden ? static_cast<size_t>(tile * dims.M) : 0),
+                                 std::vector<float>(static_cast<size_t>(tile * dims.N)),
+                                 std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
+                                 TokenCoefficients(config, alpha, bias)});
+  }
+  return scratch;
+}
+
+template <class X>
+void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionSource source,
+         const float* alpha, const float* bias, X* layer_in, float* h_pre, float* h_post,
+         float* h_res) {
   const int64_t T = dims.T, n = dims.n, D = dims.D, M = dims.M, N = dims.N;
   if (T == 0) return;
-  const auto* alpha = static_cast<const float*>(params.alpha.data);
-  const auto* bias = static_cast<const float*>(params.bias.data);
-  const std::vector<float> wt = fold_weight(static_cast<const float*>(params.norm_weight.data),
-                                            static_cast<const float*>(params.phi.data), M, N);
   const int64_t tile = pre_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
   ThreadPool& pool = ThreadPool::instance();
   const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
-
-  struct Scratch {
-    std::vector<float> x;         // tile of x widened to f32 (bf16 only)
-    std::vector<float> P;         // [tile, N]
-    std::vector<float> layer_in;  // [D] (bf16 only)
-    TokenCoefficients coefficients;
-  };
-  constexpr bool kWiden = std::is_same_v<X, bf16>;
-  std::vector<Scratch> scratch;
-  for (int w = 0; w < workers; ++w) {
-    scratch.push_back(Scratch{std::vector<float>(kWiden ? static_cast<size_t>(tile * M) : 0),
-                              std::vector<float>(static_cast<size_t>(tile * N)),
-                              std::vector<float>(kWiden ? static_cast<size_t>(D) : 0),
-                              TokenCoefficients(config, alpha, bias)});
-  }
+  std::vector<PreScratch> scratch = make_scratch<X>(config, dims, tile, workers, alpha, bias);
 
   pool.parallel_for(tiles, workers, [&](int64_t task, int worker) {
-    Scratch& s = scratch[static_cast<size_t>(worker)];
+    PreScratch& s = scratch[static_cast<size_t>(worker)];
     const int64_t t0 = task * tile;
     const int64_t tokens = std::min(tile, T - t0);
     const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
-    project(xf, tokens, M, wt.data(), N, s.P.data());
+    if (source.wt != nullptr) project(xf, tokens, M, source.wt, N, s.P.data());
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t token = t0 + t;
       const float* xt = xf + t * M;
-      const double r = inverse_rms(sum_squares(xt, M), M, config.rms_eps);
+      const float* P = s.P.data() + t * N;
+      double squares = 0.0;
+      if (source.wt != nullptr) {
+        squares = sum_squares(xt, M);
+      } else {
+        P = source.partials + token * (N + 1);
+        squares = P[N];
+      }
+      const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
       float* pre = h_pre + token * n;
-      s.coefficients.forward(s.P.data() + t * N, r, pre, h_post + token * n, h_res + token * n * n);
+      s.coefficients.forward(P, r, pre, h_post + token * n, h_res + token * n * n);
       float* li = f32_target(layer_in + token * D, s.layer_in.data());
       weighted_rows(nullptr, 0.0f, xt, n, pre, 1, D, li);
       store_from(li, layer_in + token * D, D);
@@ -74,20 +98,75 @@ void run(const Config& config, const detail::Dims& dims, const X* x, const Param
   });
 }
 
+template <class X>
+void run_partials(const detail::Dims& dims, const X* x, const float* wt, float* partials) {
+  const int64_t T = dims.T, M = dims.M, N = dims.N;
+  const int64_t tile = pre_tile_tokens(M);
+  const int64_t tiles = ceil_div(T, tile);
+  ThreadPool& pool = ThreadPool::instance();
+  const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
+  struct Scratch {
+    std::vector<float> x, P;
+  };
+  std::vector<Scratch> scratch;
+  for (int w = 0; w < workers; ++w) {
+    scratch.push_back(Scratch{
+        std::vector<float>(std::is_same_v<X, bf16> ? static_cast<size_t>(tile * M) : 0),
+        std::vector<float>(static_cast<size_t>(tile * N))});
+  }
+  pool.parallel_for(tiles, workers, [&](int64_t task, int worker) {
+    Scratch& s = scratch[static_cast<size_t>(worker)];
+    const int64_t t0 = task * tile;
+    const int64_t tokens = std::min(tile, T - t0);
+    const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
+    project(xf, tokens, M, wt, N, s.P.data());
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* row = partials + (t0 + t) * (N + 1);
+      std::copy(s.P.data() + t * N, s.P.data() + (t + 1) * N, row);
+      row[N] = static_cast<float>(sum_squares(xf + t * M, M));
+    }
+  });
+}
+
+void run_any(const Config& config, const detail::Dims& dims, const TensorRef& x,
+             ProjectionSource source, const float* alpha, const float* bias,
+             const PreForwardOutputs& outputs) {
+  with_activation_type(x.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    run(config, dims, static_cast<const X*>(x.data), source, alpha, bias,
+        static_cast<X*>(outputs.layer_in.data), static_cast<float*>(outputs.h_pre.data),
+        static_cast<float*>(outputs.h_post.data), static_cast<float*>(outputs.h_res.data));
+  });
+}
+
 }  // namespace
 
 void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
                  const Params& params, const PreForwardOutputs& outputs) {
-  auto* h_pre = static_cast<float*>(outputs.h_pre.data);
-  auto* h_post = static_cast<float*>(outputs.h_post.data);
-  auto* h_res = static_cast<float*>(outputs.h_res.data);
-  if (x.dtype == DType::bf16) {
-    run(config, dims, static_cast<const bf16*>(x.data), params,
-        static_cast<bf16*>(outputs.layer_in.data), h_pre, h_post, h_res);
-  } else {
-    run(config, dims, static_cast<const float*>(x.data), params,
-        static_cast<float*>(outputs.layer_in.data), h_pre, h_post, h_res);
-  }
+  if (dims.T == 0) return;
+  const std::vector<float> wt = fold_weight(static_cast<const float*>(params.norm_weight.data),
+                                            static_cast<const float*>(params.phi.data), dims.M,
+                                            dims.N);
+  run_any(config, dims, x, ProjectionSource{wt.data(), nullptr},
+          static_cast<const float*>(params.alpha.data), static_cast<const float*>(params.bias.data),
+          outputs);
+}
+
+void pre_forward_partials(const detail::Dims& dims, const TensorRef& x,
+                          const TensorRef& norm_weight, const TensorRef& phi, float* partials) {
+  if (dims.T == 0) return;
+  const std::vector<float> wt = fold_weight(static_cast<const float*>(norm_weight.data),
+                                            static_cast<const float*>(phi.data), dims.M, dims.N);
+  with_activation_type(x.dtype, [&](auto tag) {
+    using X = decltype(tag);
+    run_partials(dims, static_cast<const X*>(x.data), wt.data(), partials);
+  });
+}
+
+void pre_forward_finish(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                        const float* partials, const float* alpha, const float* bias,
+                        const PreForwardOutputs& outputs) {
+  run_any(config, dims, x, ProjectionSource{nullptr, partials}, alpha, bias, outputs);
 }
 
 }  // namespace mhc::cpu
