@@ -17,8 +17,9 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
       config: ``mhc.jax.Config`` (n, mix, Sinkhorn settings).
       dim: D, the features per stream.
       use_kernel: True runs the fused C++ kernels (custom VJP); False the plain-JAX reference.
-      mesh, token_axes: optional; when given, the kernels run under ``jax.shard_map`` with the
-        first axis of x sharded over ``token_axes`` and the parameters replicated.
+      mesh, token_axes, tensor_axis: optional; with a mesh, the kernels run under
+        ``jax.shard_map`` (``mhc.jax.sharded_pre``): the first axis of x split over the mesh axes
+        ``token_axes`` and, with ``tensor_axis``, D split over that mesh axis.
       rngs: ``nnx.Rngs`` for the initial phi.
     """
 
@@ -30,10 +31,11 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         use_kernel: bool = True,
         mesh=None,
         token_axes=None,
+        tensor_axis=None,
         rngs: nnx.Rngs,
     ):
-        if (mesh is None) != (token_axes is None):
-            raise ValueError("mesh and token_axes: pass both (sharded kernels) or neither")
+        if mesh is None and (token_axes is not None or tensor_axis is not None):
+            raise ValueError("token_axes/tensor_axis: name axes of a mesh; pass mesh too")
         if mesh is not None and not use_kernel:
             raise ValueError("mesh: sharding applies to the kernel path; with use_kernel=False use jit shardings")
         initial = mhc_jax.init_params(rngs.params(), config, dim)
@@ -42,6 +44,7 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         self.use_kernel = use_kernel
         self.mesh = mesh
         self.token_axes = token_axes
+        self.tensor_axis = tensor_axis
         self.norm_weight = nnx.Param(initial.norm_weight)
         self.phi = nnx.Param(initial.phi)
         self.alpha = nnx.Param(initial.alpha)
@@ -53,15 +56,14 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         return mhc_jax.Params(self.norm_weight[...], self.phi[...], self.alpha[...], self.bias[...])
 
     def __call__(self, norm_fn: Callable, branch_fn: Callable, x: jax.Array) -> jax.Array:
+        axes = dict(mesh=self.mesh, token_axes=self.token_axes, tensor_axis=self.tensor_axis)
         if self.mesh is not None:
-            layer_in, ctx = mhc_jax.sharded_pre(
-                x, self.params(), self.config, mesh=self.mesh, token_axes=self.token_axes
-            )
+            layer_in, ctx = mhc_jax.sharded_pre(x, self.params(), self.config, **axes)
         else:
             layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
         if self.on_mix is not None:
             self.on_mix(ctx.h_res)
         layer_out = branch_fn(norm_fn(layer_in))
         if self.mesh is not None:
-            return mhc_jax.sharded_post(layer_out, ctx, mesh=self.mesh, token_axes=self.token_axes)
+            return mhc_jax.sharded_post(layer_out, ctx, **axes)
         return mhc_jax.post(layer_out, ctx)

@@ -46,14 +46,22 @@ mhc::MutableTensorRef out(ffi::Result<ffi::AnyBuffer>& buffer, const char* name)
                                           buffer->dimensions(), name);
 }
 
-// The config travels as attributes; D is the last dimension of x.
+// The config travels as attributes; D is the last dimension of x times the number of slices.
 mhc::Config make_config(const mhc::TensorRef& x, int64_t n, int64_t mix, int64_t iters,
-                        float sinkhorn_eps, float rms_eps, float pre_eps, float post_scale) {
+                        float sinkhorn_eps, float rms_eps, float pre_eps, float post_scale,
+                        int64_t tensor_parallel) {
   if (x.rank != 3) throw mhc::Error(kOp, "x", "expected rank 3 [T, n, D], got " + x.shape_string());
   if (mix != 0 && mix != 1) throw mhc::Error(kOp, "mix", "expected 0 (sinkhorn) or 1 (permutations)");
+  constexpr int64_t kMaxSlices = int64_t{1} << 20;
+  if (tensor_parallel < 1 || tensor_parallel > kMaxSlices) {
+    throw mhc::Error(kOp, "tensor_parallel",
+                     "expected 1 <= tensor_parallel <= 2^20, got " + std::to_string(tensor_parallel));
+  }
   mhc::Config config;
   config.n = n;
-  config.dim = x.shape[2];
+  config.tensor_parallel = tensor_parallel;
+  // Wraps only for shapes far beyond validate()'s D <= 2^32, which then rejects them.
+  config.dim = x.shape[2] > (int64_t{1} << 40) ? -1 : x.shape[2] * tensor_parallel;
   config.mix = mix == 0 ? mhc::Mix::sinkhorn : mhc::Mix::permutations;
   config.sinkhorn_iters = iters;
   config.sinkhorn_eps = sinkhorn_eps;
@@ -93,14 +101,15 @@ auto handler_binding(Binding binding) {
         .template Attr<float>("sinkhorn_eps")
         .template Attr<float>("rms_eps")
         .template Attr<float>("pre_eps")
-        .template Attr<float>("post_scale");
+        .template Attr<float>("post_scale")
+        .template Attr<int64_t>("tensor_parallel");
   }
 }
 
 #define MHC_CONFIG_PARAMS                                                                      \
   int64_t n, int64_t mix, int64_t iters, float sinkhorn_eps, float rms_eps, float pre_eps, \
-      float post_scale
-#define MHC_CONFIG_ARGS n, mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale
+      float post_scale, int64_t tensor_parallel
+#define MHC_CONFIG_ARGS n, mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale, tensor_parallel
 
 ffi::Error PreForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
                           ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
@@ -162,6 +171,62 @@ ffi::Error PreBackwardImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
   });
 }
 
+ffi::Error PreForwardPartialsImpl(ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+                                  ffi::Result<ffi::AnyBuffer> partials, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_forward_partials(make_config(xv, MHC_CONFIG_ARGS), xv, in(norm_weight, "norm_weight"),
+                              in(phi, "phi"), out(partials, "partials"));
+  });
+}
+
+ffi::Error PreForwardFinishImpl(ffi::AnyBuffer x, ffi::AnyBuffer partials, ffi::AnyBuffer alpha,
+                                ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> layer_in,
+                                ffi::Result<ffi::AnyBuffer> h_pre,
+                                ffi::Result<ffi::AnyBuffer> h_post,
+                                ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_forward_finish(make_config(xv, MHC_CONFIG_ARGS), xv, in(partials, "partials"),
+                            in(alpha, "alpha"), in(bias, "bias"),
+                            {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
+                             out(h_res, "h_res")});
+  });
+}
+
+ffi::Error PreBackwardPartialsImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
+                                   ffi::Result<ffi::AnyBuffer> dh_pre, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_backward_partials(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), xv,
+                               out(dh_pre, "dh_pre"));
+  });
+}
+
+ffi::Error PreBackwardFinishImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
+                                 ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post,
+                                 ffi::AnyBuffer dh_res, ffi::AnyBuffer x, ffi::AnyBuffer partials,
+                                 ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+                                 ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+                                 ffi::Result<ffi::AnyBuffer> dx,
+                                 ffi::Result<ffi::AnyBuffer> dnorm_weight,
+                                 ffi::Result<ffi::AnyBuffer> dphi,
+                                 ffi::Result<ffi::AnyBuffer> dalpha,
+                                 ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_backward_finish(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
+                             in(dx_partial, "dx_partial"), in(dh_pre, "dh_pre"),
+                             in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
+                             in(partials, "partials"),
+                             {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"),
+                              in(bias, "bias")},
+                             out(dx, "dx"),
+                             {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"),
+                              out(dalpha, "dalpha"), out(dbias, "dbias")});
+  });
+}
+
 }  // namespace
 
 // x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
@@ -181,6 +246,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostBackward, PostBackwardImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackward, PreBackwardImpl,
                               (handler_binding<9, 5>(ffi::Ffi::Bind())));
 
+// Tensor-parallel split (D sliced across devices; mhc/ops.h):
+// x, norm_weight, phi -> partials
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardPartials, PreForwardPartialsImpl,
+                              (handler_binding<3, 1>(ffi::Ffi::Bind())));
+// x, partials, alpha, bias -> layer_in, h_pre, h_post, h_res
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardFinish, PreForwardFinishImpl,
+                              (handler_binding<4, 4>(ffi::Ffi::Bind())));
+// dlayer_in, x -> dh_pre
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardPartials, PreBackwardPartialsImpl,
+                              (handler_binding<2, 1>(ffi::Ffi::Bind())));
+// dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, norm_weight, phi, alpha, bias
+//   -> dx, dnorm_weight, dphi, dalpha, dbias
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardFinish, PreBackwardFinishImpl,
+                              (handler_binding<11, 5>(ffi::Ffi::Bind())));
+
 // The one registration table: target name -> handler. Python registers every entry.
 NB_MODULE(_mhc_cpu, module) {
   module.doc() = "XLA FFI handlers of mhc for the CPU platform";
@@ -190,6 +270,13 @@ NB_MODULE(_mhc_cpu, module) {
     table["mhc_post_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostForward));
     table["mhc_post_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostBackward));
     table["mhc_pre_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreBackward));
+    table["mhc_pre_forward_partials"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardPartials));
+    table["mhc_pre_forward_finish"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardFinish));
+    table["mhc_pre_backward_partials"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardPartials));
+    table["mhc_pre_backward_finish"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardFinish));
     return table;
   });
 }

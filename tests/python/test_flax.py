@@ -47,5 +47,5 @@ def test_kernel_switch_same_outputs_and_grads(seed, mix):
 
 
 def test_layer_validates_its_arguments():
-    with pytest.raises(ValueError, match="mesh and token_axes"):
-        ManifoldConstrainedHyperConnections(mj.Config(n=2), 8, mesh=object(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="pass mesh too"):
+        ManifoldConstrainedHyperConnections(mj.Config(n=2), 8, tensor_axis="tensor", rngs=nnx.Rngs(0))

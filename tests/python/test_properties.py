@@ -79,6 +79,9 @@ def test_invalid_input_raises_and_never_kills_the_interpreter():
             "ffi param dtype": lambda: _kernels.pre_forward(config, x, params._replace(bias=params.bias.astype(jnp.bfloat16))),
             "ffi streams": lambda: _kernels.pre_forward(mj.Config(n=2), jnp.ones((3, 4, 8)), params),
             "ffi layer_out": lambda: _kernels.post_forward(config, x, jnp.ones((3, 9)), jnp.ones((3, 4)), jnp.ones((3, 4, 4))),
+            "ffi slices": lambda: _kernels.pre_forward_partials(config, 0, x, params.norm_weight, params.phi),
+            "ffi slice rows": lambda: _kernels.pre_forward_partials(config, 2, x, jnp.ones(64), jnp.ones((64, 24))),
+            "ffi dh_pre shape": lambda: _kernels.pre_backward_partials(config, 1, jnp.ones((3, 9)), x),
             "ffi x dtype": lambda: _kernels.post_forward(config, x.astype(jnp.float16), jnp.ones((3, 8)), jnp.ones((3, 4)), jnp.ones((3, 4, 4))),
         }
         for name, call in bad_calls.items():
@@ -95,5 +98,6 @@ def test_invalid_input_raises_and_never_kills_the_interpreter():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                             env=dict(os.environ))
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    assert result.stdout.count("raised") == 9 and "done" in result.stdout, result.stdout
+    assert result.stdout.count("raised") == 12 and "done" in result.stdout, result.stdout
     assert "mhc::pre_forward: params.phi: expected shape [32, 24], got [32, 23]" in result.stdout, result.stdout
+    assert "tensor_parallel: expected 1 <= tensor_parallel" in result.stdout, result.stdout
