@@ -85,10 +85,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   const int64_t T = data.ConsumeIntegralInRange<int64_t>(0, 40);
   const mhc::DType x_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
   const mhc::DType lo_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
-  const int op = data.ConsumeIntegralInRange<int>(0, 3);
+  const int op = data.ConsumeIntegralInRange<int>(0, 7);
+  config.tensor_parallel = data.ConsumeIntegralInRange<int64_t>(0, 4);
 
-  // Shapes as the config implies (R, N computed only when n is in range, as a caller would).
-  const int64_t n = config.n, D = config.dim;
+  // Shapes as the config implies (R, N computed only when n is in range, as a caller would);
+  // D is the slice's when tensor_parallel divides it.
+  const int64_t n = config.n;
+  const int64_t tp = config.tensor_parallel;
+  const int64_t D = tp > 0 && config.dim % tp == 0 ? config.dim / tp : config.dim;
   const bool n_ok = n >= 1 && n <= (config.mix == mhc::Mix::permutations ? 6 : 16);
   const int64_t N = n_ok ? mhc::projection_width(config) : 1;
   const int64_t M = n * D;
@@ -113,7 +117,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
                            {v.make({T, n, D}, x_dtype), v.make({T, D}, lo_dtype), v.make({T, n}, f32),
                             v.make({T, n, n}, f32)});
         break;
-      default:
+      case 4:
+        mhc::pre_forward_partials(config, x, params.norm_weight, params.phi, v.make({T, N + 1}, f32));
+        break;
+      case 5:
+        mhc::pre_forward_finish(config, x, v.make({T, N + 1}, f32), params.alpha, params.bias,
+                                {v.make({T, D}, x_dtype), v.make({T, n}, f32), v.make({T, n}, f32),
+                                 v.make({T, n, n}, f32)});
+        break;
+      case 6:
+        mhc::pre_backward_partials(config, v.make({T, D}, x_dtype), x, v.make({T, n}, f32));
+        break;
+      case 7:
+        mhc::pre_backward_finish(config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
+                                 v.make({T, n}, f32), v.make({T, n, n}, f32), x, v.make({T, N + 1}, f32), params,
+                                 v.make({T, n, D}, x_dtype),
+                                 {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
+        break;
+      default:  // 3
         mhc::pre_backward(config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
                           v.make({T, n, n}, f32), x, params, v.make({T, n, D}, x_dtype),
                           {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
