@@ -3,10 +3,22 @@
 // the thread pool.
 #pragma once
 
+#include <vector>
+
 #include "../core/validate.h"
 #include "mhc/ops.h"
 
 namespace mhc::cpu {
+
+// A buffer of at least `count` elements that persists across calls: pass a thread_local vector.
+// Fresh multi-MiB allocations are mmapped and zero-filled page by page on first touch, which
+// took a fifth of pre_backward's time; a reused buffer is resident. Each calling thread keeps
+// the largest buffers it has needed (the CPU backend's workspace, see docs/design.md).
+template <class T>
+T* workspace(std::vector<T>& storage, size_t count) {
+  if (storage.size() < count) storage.resize(count);
+  return storage.data();
+}
 
 // Calls body(X{}) with X the activation type (float or bf16) of `dtype`.
 template <class Body>

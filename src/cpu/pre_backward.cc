@@ -17,6 +17,7 @@
 
 #include "coefficients.h"
 #include "kernels.h"
+#include "projection.h"
 #include "thread_pool.h"
 #include "tiles.h"
 
@@ -40,6 +41,14 @@ struct Supplied {
   const float* dh_pre = nullptr;
 };
 
+// Tokens per tile: larger than the forward's, because each tile adds its weight-gradient sums to
+// the [N, M] double accumulator, which does not fit in L2 (3 MiB for n = 4, D = 4096); 64 tokens
+// amortize that read-modify-write. The tile's f32 copies (x, dx: 2 x 4 MiB there) stay in L3.
+inline int64_t backward_tile_tokens(int64_t M) {
+  constexpr int64_t kTileFloats = int64_t{1} << 20;
+  return std::clamp<int64_t>(kTileFloats / M, 1, 64);
+}
+
 template <class X>
 void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, const X* dx_partial,
          const float* dh_post, const float* dh_res, const X* x, Supplied supplied,
@@ -60,19 +69,28 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
     std::fill(dbias, dbias + N, 0.0f);
     return;
   }
-  const std::vector<float> wt = fold_weight(norm_weight, phi, M, N);
-  const int64_t tile = pre_tile_tokens(M);
+  const ProjectionWeight weight(norm_weight, phi, M, N);
+  const int64_t tile = backward_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
   const int64_t chunks = chunk_count(tiles, M, N);
   ThreadPool& pool = ThreadPool::instance();
   const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), chunks));
 
   // Per chunk: G [N, M], then dalpha [3] and dbias [N] in `small`.
-  std::vector<double> G(static_cast<size_t>(chunks * N * M), 0.0);
+  thread_local std::vector<double> G_storage;
+  const auto G_size = static_cast<size_t>(chunks * N * M);
+  double* G = workspace(G_storage, G_size);
+  std::fill_n(G, G_size, 0.0);
   std::vector<double> small(static_cast<size_t>(chunks * (N + 3)), 0.0);
 
+  // f32 staging of a tile of x, dlayer_in and dx per worker (bf16 only).
+  constexpr bool kWiden = std::is_same_v<X, bf16>;
+  thread_local std::vector<float> staging_storage;
+  const int64_t stage = kWiden ? tile * (2 * M + D) : 0;
+  float* staging = workspace(staging_storage, static_cast<size_t>(workers * stage));
+
   struct Scratch {
-    std::vector<float> x, dlayer_in, dx;  // f32 staging (bf16 only)
+    float *x, *dlayer_in, *dx;           // f32 staging (bf16 only)
     std::vector<float> P, dP;            // [tile, N]
     std::vector<double> dP_wide;         // [tile, N]
     std::vector<float> h_pre;            // [tile, n]
@@ -81,12 +99,10 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
     std::vector<double> dh_pre;          // [n]
     TokenCoefficients coefficients;
   };
-  constexpr bool kWiden = std::is_same_v<X, bf16>;
   std::vector<Scratch> scratch;
   for (int w = 0; w < workers; ++w) {
-    scratch.push_back(Scratch{std::vector<float>(kWiden ? static_cast<size_t>(tile * M) : 0),
-                              std::vector<float>(kWiden ? static_cast<size_t>(tile * D) : 0),
-                              std::vector<float>(kWiden ? static_cast<size_t>(tile * M) : 0),
+    float* mine = staging + w * stage;
+    scratch.push_back(Scratch{mine, mine + tile * M, mine + tile * (M + D),
                               std::vector<float>(static_cast<size_t>(tile * N)),
                               std::vector<float>(static_cast<size_t>(tile * N)),
                               std::vector<double>(static_cast<size_t>(tile * N)),
@@ -99,18 +115,18 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
 
   pool.parallel_for(chunks, workers, [&](int64_t chunk, int worker) {
     Scratch& s = scratch[static_cast<size_t>(worker)];
-    double* G_chunk = G.data() + chunk * N * M;
+    double* G_chunk = G + chunk * N * M;
     double* dalpha_chunk = small.data() + chunk * (N + 3);
     double* dbias_chunk = dalpha_chunk + 3;
     const int64_t first = chunk * tiles / chunks, last = (chunk + 1) * tiles / chunks;
     for (int64_t task = first; task < last; ++task) {
       const int64_t t0 = task * tile;
       const int64_t tokens = std::min(tile, T - t0);
-      const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
-      const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in.data());
+      const float* xf = as_f32(x + t0 * M, tokens * M, s.x);
+      const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in);
 
       // First sweep: recompute (or read) P and r, then the coefficient backward per token.
-      if (supplied.partials == nullptr) project(xf, tokens, M, wt.data(), N, s.P.data());
+      if (supplied.partials == nullptr) project(xf, tokens, weight, s.P.data());
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t token = t0 + t;
         const float* xt = xf + t * M;
@@ -137,7 +153,7 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       }
 
       // Second sweep: dx and the weight gradient from the cached tile.
-      float* dxf = f32_target(dx + t0 * M, s.dx.data());
+      float* dxf = f32_target(dx + t0 * M, s.dx);
       const float* dxp = as_f32(dx_partial + t0 * M, tokens * M, dxf);
       if (dxp != dxf) std::copy(dxp, dxp + tokens * M, dxf);
       for (int64_t t = 0; t < tokens; ++t) {
@@ -145,8 +161,8 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
         for (int64_t k = 0; k < n; ++k) axpy(s.h_pre[t * n + k], dli + t * D, dxt + k * D, D);
         axpy(-s.rms_term[t], xf + t * M, dxt, M);
       }
-      add_projection_grad(s.dP.data(), wt.data(), tokens, M, N, dxf);
-      accumulate_weight_grad(xf, s.dP_wide.data(), tokens, M, N, G_chunk);
+      add_projection_grad(s.dP.data(), tokens, weight, dxf);
+      accumulate_weight_grad(xf, s.dP.data(), tokens, M, N, G_chunk);
       store_from(dxf, dx + t0 * M, tokens * M);
     }
   });

@@ -10,30 +10,18 @@
 
 #include "coefficients.h"
 #include "kernels.h"
+#include "projection.h"
 #include "thread_pool.h"
 #include "tiles.h"
 
 namespace mhc::cpu {
 
-std::vector<float> fold_weight(const float* norm_weight, const float* phi, int64_t M, int64_t N) {
-  std::vector<float> wt(static_cast<size_t>(M * N));
-  constexpr int64_t kRows = 1024;
-  ThreadPool& pool = ThreadPool::instance();
-  pool.parallel_for(ceil_div(M, kRows), pool.threads(), [&](int64_t task, int) {
-    const int64_t end = std::min(M, (task + 1) * kRows);
-    for (int64_t m = task * kRows; m < end; ++m) {
-      for (int64_t c = 0; c < N; ++c) wt[c * M + m] = norm_weight[m] * phi[m * N + c];
-    }
-  });
-  return wt;
-}
-
 namespace {
 
 // Where each token's projection P [N] and sum of squares come from: computed from the tile of x
-// with the folded weight `wt`, or read from summed partials [T, N+1] (wt is then null).
+// with the folded weight, or read from summed partials [T, N+1] (weight is then null).
 struct ProjectionSource {
-  const float* wt = nullptr;
+  const ProjectionWeight* weight = nullptr;
   const float* partials = nullptr;
 };
 
@@ -76,13 +64,13 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
     const int64_t t0 = task * tile;
     const int64_t tokens = std::min(tile, T - t0);
     const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
-    if (source.wt != nullptr) project(xf, tokens, M, source.wt, N, s.P.data());
+    if (source.weight != nullptr) project(xf, tokens, *source.weight, s.P.data());
     for (int64_t t = 0; t < tokens; ++t) {
       const int64_t token = t0 + t;
       const float* xt = xf + t * M;
       const float* P = s.P.data() + t * N;
       double squares = 0.0;
-      if (source.wt != nullptr) {
+      if (source.weight != nullptr) {
         squares = sum_squares(xt, M);
       } else {
         P = source.partials + token * (N + 1);
@@ -99,7 +87,8 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
 }
 
 template <class X>
-void run_partials(const detail::Dims& dims, const X* x, const float* wt, float* partials) {
+void run_partials(const detail::Dims& dims, const X* x, const ProjectionWeight& weight,
+                  float* partials) {
   const int64_t T = dims.T, M = dims.M, N = dims.N;
   const int64_t tile = pre_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
@@ -119,7 +108,7 @@ void run_partials(const detail::Dims& dims, const X* x, const float* wt, float* 
     const int64_t t0 = task * tile;
     const int64_t tokens = std::min(tile, T - t0);
     const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
-    project(xf, tokens, M, wt, N, s.P.data());
+    project(xf, tokens, weight, s.P.data());
     for (int64_t t = 0; t < tokens; ++t) {
       float* row = partials + (t0 + t) * (N + 1);
       std::copy(s.P.data() + t * N, s.P.data() + (t + 1) * N, row);
@@ -144,10 +133,9 @@ void run_any(const Config& config, const detail::Dims& dims, const TensorRef& x,
 void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
                  const Params& params, const PreForwardOutputs& outputs) {
   if (dims.T == 0) return;
-  const std::vector<float> wt = fold_weight(static_cast<const float*>(params.norm_weight.data),
-                                            static_cast<const float*>(params.phi.data), dims.M,
-                                            dims.N);
-  run_any(config, dims, x, ProjectionSource{wt.data(), nullptr},
+  const ProjectionWeight weight(static_cast<const float*>(params.norm_weight.data),
+                               static_cast<const float*>(params.phi.data), dims.M, dims.N);
+  run_any(config, dims, x, ProjectionSource{&weight, nullptr},
           static_cast<const float*>(params.alpha.data), static_cast<const float*>(params.bias.data),
           outputs);
 }
@@ -155,11 +143,11 @@ void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef
 void pre_forward_partials(const detail::Dims& dims, const TensorRef& x,
                           const TensorRef& norm_weight, const TensorRef& phi, float* partials) {
   if (dims.T == 0) return;
-  const std::vector<float> wt = fold_weight(static_cast<const float*>(norm_weight.data),
-                                            static_cast<const float*>(phi.data), dims.M, dims.N);
+  const ProjectionWeight weight(static_cast<const float*>(norm_weight.data),
+                               static_cast<const float*>(phi.data), dims.M, dims.N);
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
-    run_partials(dims, static_cast<const X*>(x.data), wt.data(), partials);
+    run_partials(dims, static_cast<const X*>(x.data), weight, partials);
   });
 }
 

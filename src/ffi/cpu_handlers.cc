@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "mhc/ops.h"
+#include "mhc/roofline.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -279,4 +280,11 @@ NB_MODULE(_mhc_cpu, module) {
         nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardFinish));
     return table;
   });
+  // The library's thread count and the roofline ceilings, for mhc.bench and users' own timing.
+  module.def("set_num_threads", &mhc::set_num_threads, nanobind::arg("threads"));
+  module.def("num_threads", &mhc::num_threads);
+  module.def("copy_bandwidth_gbs", &mhc::copy_bandwidth_gbs, nanobind::arg("bytes") = int64_t{256} << 20,
+             nanobind::arg("threads") = 0, nanobind::arg("repeats") = 5);
+  module.def("fma_peak_gflops", &mhc::fma_peak_gflops, nanobind::arg("threads") = 0);
+  module.def("widest_simd", &mhc::widest_simd);
 }

@@ -1,0 +1,353 @@
+"""python -m mhc.bench: the fused kernels against the jitted plain-JAX path, on the roofline.
+
+For each shape and each operation (the four C++ operations, and a whole sublayer pre -> identity
+branch -> post, forward and forward+backward) it measures the median time of the kernel path and
+of the jitted ``use_kernel=False`` path side by side, and reports their ratio, the achieved GB/s
+(the spec's minimum bytes) and GFLOP/s, and the fraction of the roofline floor
+max(bytes / copy bandwidth, FLOPs / FMA peak), with both ceilings measured in the same run.
+Peak memory of the sublayer's forward+backward is measured per path in a fresh subprocess.
+
+    python -m mhc.bench                          # T in {2048, 8192}, n = 4, D in {1024, 4096}, f32 and bf16
+    python -m mhc.bench --tokens 1 --dims 64     # the small-shape case
+    python -m mhc.bench --json results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+OPS = ("pre_forward", "post_forward", "post_backward", "pre_backward", "sublayer_fwd", "sublayer_fwd_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    tokens: int
+    n: int
+    dim: int
+    dtype: str
+    mix: str
+
+    @property
+    def label(self) -> str:
+        return f"T={self.tokens} n={self.n} D={self.dim} {self.dtype}"
+
+
+def projection_width(n: int, mix: str) -> int:
+    import math
+
+    return 2 * n + (n * n if mix == "sinkhorn" else math.factorial(n))
+
+
+def minimum_bytes(op: str, s: Shape) -> float:
+    """The spec's minimum memory traffic (section "Minimum memory traffic") for T tokens."""
+    e = 2 if s.dtype == "bf16" else 4
+    per_token = {
+        "pre_forward": (s.n + 1),
+        "post_forward": (2 * s.n + 1),
+        "post_backward": (3 * s.n + 2),
+        "pre_backward": (3 * s.n + 1),
+    }
+    per_token["sublayer_fwd"] = per_token["pre_forward"] + per_token["post_forward"]
+    per_token["sublayer_fwd_bwd"] = sum(per_token[k] for k in OPS[:4])
+    return float(per_token[op] * s.dim * e * s.tokens)
+
+
+def flop_count(op: str, s: Shape) -> float:
+    """FLOPs from the spec's formulas; the projection (2 n D N per token, once forward and three
+    times backward: recompute, weight gradient, input gradient) dominates."""
+    n, d, big_n = s.n, s.dim, projection_width(s.n, s.mix)
+    projection = 2 * n * d * big_n
+    per_token = {
+        "pre_forward": projection + 2 * n * d,  # + the pre-apply
+        "post_forward": 2 * n * (n + 1) * d,  # H_res^T x + H_post layer_out
+        "post_backward": 4 * n * d + 4 * n * n * d,  # dlayer_out, dh_post, dx_partial, dh_res
+        "pre_backward": 3 * projection + 8 * n * d,  # + dh_pre, pre-apply grad, RMS term, sum of squares
+    }
+    per_token["sublayer_fwd"] = per_token["pre_forward"] + per_token["post_forward"]
+    per_token["sublayer_fwd_bwd"] = sum(per_token[k] for k in OPS[:4])
+    return float(per_token[op] * s.tokens)
+
+
+def _inputs(s: Shape, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    import mhc.jax as mj
+
+    config = mj.Config(n=s.n, mix=s.mix)
+    dtype = jnp.bfloat16 if s.dtype == "bf16" else jnp.float32
+    keys = jax.random.split(jax.random.key(seed), 8)
+    t, n, d = s.tokens, s.n, s.dim
+    params = mj.init_params(keys[0], config, d)
+    params = params._replace(alpha=jnp.array([0.8, -0.6, 1.1], jnp.float32))
+    normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)  # noqa: E731
+    h_post = jax.random.uniform(keys[5], (t, n), jnp.float32)
+    h_res = jax.nn.softmax(jax.random.normal(keys[6], (t, n, n)), axis=-1)
+    return config, params, dict(
+        x=normal(keys[1], (t, n, d)),
+        layer_out=normal(keys[2], (t, d)),
+        g=normal(keys[3], (t, n, d)),
+        dlayer_in=normal(keys[4], (t, d)),
+        h_post=h_post,
+        h_res=h_res,
+        dh_post=jax.random.normal(keys[7], (t, n)),
+        dh_res=jax.random.normal(keys[7], (t, n, n)),
+    )
+
+
+def _functions(op: str, use_kernel: bool, config):
+    """(jitted function, names of its inputs) for one operation on one path."""
+    import jax
+
+    import mhc.jax as mj
+    from mhc.jax import _kernels, reference
+    from mhc.jax._types import Context
+
+    def sublayer(x, params):
+        layer_in, ctx = mj.pre(x, params, config, use_kernel=use_kernel)
+        return mj.post(layer_in, ctx)
+
+    def plain_pre(x, params):
+        layer_in, ctx = reference.pre(x, params, config)
+        return layer_in, ctx.h_post, ctx.h_res
+
+    def plain_post(x, layer_out, h_post, h_res):
+        return reference.post(layer_out, Context(x, h_post, h_res, config, False))
+
+    if op == "sublayer_fwd":
+        return jax.jit(sublayer), ("x", "params")
+    if op == "sublayer_fwd_bwd":
+        return jax.jit(lambda x, params, g: jax.vjp(sublayer, x, params)[1](g)), ("x", "params", "g")
+    if use_kernel:
+        table = {
+            "pre_forward": (lambda x, params: _kernels.pre_forward(config, x, params), ("x", "params")),
+            "post_forward": (
+                lambda x, lo, hp, hr: _kernels.post_forward(config, x, lo, hp, hr),
+                ("x", "layer_out", "h_post", "h_res"),
+            ),
+            "post_backward": (
+                lambda g, x, lo, hp, hr: _kernels.post_backward(config, g, x, lo, hp, hr),
+                ("g", "x", "layer_out", "h_post", "h_res"),
+            ),
+            "pre_backward": (
+                lambda dli, dxp, dhp, dhr, x, params: _kernels.pre_backward(config, dli, dxp, dhp, dhr, x, params),
+                ("dlayer_in", "g", "dh_post", "dh_res", "x", "params"),
+            ),
+        }
+    else:
+
+        def post_backward(g, x, lo, hp, hr):
+            return jax.vjp(plain_post, x, lo, hp, hr)[1](g)
+
+        def pre_backward(dli, dxp, dhp, dhr, x, params):
+            dx, dparams = jax.vjp(plain_pre, x, params)[1]((dli, dhp, dhr))
+            return dx + dxp, dparams
+
+        table = {
+            "pre_forward": (plain_pre, ("x", "params")),
+            "post_forward": (plain_post, ("x", "layer_out", "h_post", "h_res")),
+            "post_backward": (post_backward, ("g", "x", "layer_out", "h_post", "h_res")),
+            "pre_backward": (pre_backward, ("dlayer_in", "g", "dh_post", "dh_res", "x", "params")),
+        }
+    function, names = table[op]
+    return jax.jit(function), names
+
+
+def _median_seconds(function, args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(function(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(function(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _memory_probe(s: Shape, use_kernel: bool) -> dict:
+    """Peak resident memory added by one sublayer forward+backward (run in a fresh process)."""
+    import jax
+
+    config, params, data = _inputs(s)
+    function, _ = _functions("sublayer_fwd_bwd", use_kernel, config)
+    args = (data["x"], params, data["g"])
+    compiled = function.lower(*args).compile()
+    jax.block_until_ready(function(*args))
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    before = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
+        f.write("5")
+    jax.block_until_ready(function(*args))
+    analysis = compiled.memory_analysis()
+    return {
+        "peak_added_bytes": max(status("VmHWM") - before, 0),
+        "xla_temp_bytes": int(getattr(analysis, "temp_size_in_bytes", 0)),
+    }
+
+
+def _measure_memory(s: Shape, use_kernel: bool) -> dict:
+    command = [sys.executable, "-m", "mhc.bench", "--_probe", json.dumps([dataclasses.asdict(s), use_kernel])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "probe failed"}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def machine_info(threads: int) -> dict:
+    from mhc import _mhc_cpu
+
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": model,
+        "threads": threads,
+        "simd": _mhc_cpu.widest_simd(),
+        "copy_gbs": _mhc_cpu.copy_bandwidth_gbs(256 << 20, threads),
+        "fma_peak_gflops": _mhc_cpu.fma_peak_gflops(threads),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
+    from mhc import _mhc_cpu
+
+    threads = _mhc_cpu.num_threads()
+    machine = machine_info(threads)
+    rows = []
+    work = [(s, op) for s in shapes for op in ops]
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(work), disable=not progress, unit="case", file=sys.stderr)
+    except ImportError:  # tqdm is a dev requirement; the benchmark works without it
+        bar = None
+    for s in shapes:
+        config, params, data = _inputs(s)
+        data["params"] = params
+        for op in ops:
+            if bar is not None:
+                bar.set_description(f"{s.label} {op}")
+            times = {}
+            for use_kernel in (True, False):
+                function, names = _functions(op, use_kernel, config)
+                args = tuple(data[name] for name in names)
+                times[use_kernel] = _median_seconds(function, args, repeats)
+            nbytes, flops = minimum_bytes(op, s), flop_count(op, s)
+            floor = max(nbytes / (machine["copy_gbs"] * 1e9), flops / (machine["fma_peak_gflops"] * 1e9))
+            rows.append(
+                {
+                    **dataclasses.asdict(s),
+                    "op": op,
+                    "kernel_ms": times[True] * 1e3,
+                    "plain_ms": times[False] * 1e3,
+                    "speedup": times[False] / times[True],
+                    "kernel_gbs": nbytes / times[True] / 1e9,
+                    "kernel_gflops": flops / times[True] / 1e9,
+                    "roofline_floor_ms": floor * 1e3,
+                    "bound": "memory" if nbytes / machine["copy_gbs"] >= flops / machine["fma_peak_gflops"] else "compute",
+                    "roofline_fraction": floor / times[True],
+                }
+            )
+            if bar is not None:
+                bar.update()
+        if memory:
+            for use_kernel, path in ((True, "kernel"), (False, "plain")):
+                rows.append({**dataclasses.asdict(s), "op": "memory_fwd_bwd", "path": path, **_measure_memory(s, use_kernel)})
+    if bar is not None:
+        bar.close()
+    return {"machine": machine, "repeats": repeats, "rows": rows}
+
+
+def format_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"{m['cpu']}, {m['threads']} threads, {m['simd']}: copy {m['copy_gbs']:.1f} GB/s, "
+        f"FMA peak {m['fma_peak_gflops']:.1f} GFLOP/s ({m['date']}; medians of {result['repeats']})",
+        "",
+        f"{'shape':<26} {'op':<17} {'kernel ms':>10} {'plain ms':>10} {'speedup':>8} {'GB/s':>7} "
+        f"{'GFLOP/s':>8} {'floor ms':>9} {'bound':>8} {'roofline':>9}",
+    ]
+    shape_of = lambda r: f"T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"  # noqa: E731
+    for r in result["rows"]:
+        if r["op"] == "memory_fwd_bwd":
+            continue
+        lines.append(
+            f"{shape_of(r):<26} {r['op']:<17} {r['kernel_ms']:>10.3f} {r['plain_ms']:>10.3f} {r['speedup']:>7.2f}x "
+            f"{r['kernel_gbs']:>7.2f} {r['kernel_gflops']:>8.2f} {r['roofline_floor_ms']:>9.3f} {r['bound']:>8} "
+            f"{r['roofline_fraction']:>8.0%}"
+        )
+    memory = [r for r in result["rows"] if r["op"] == "memory_fwd_bwd"]
+    if memory:
+        lines += ["", "Peak memory added by one sublayer forward+backward (fresh process; XLA temp buffers):"]
+        for r in memory:
+            if "error" in r:
+                lines.append(f"{shape_of(r):<26} {r['path']:<7} error: {r['error']}")
+            else:
+                lines.append(
+                    f"{shape_of(r):<26} {r['path']:<7} {r['peak_added_bytes'] / 2**20:>9.1f} MiB"
+                    f"   (XLA temp {r['xla_temp_bytes'] / 2**20:.1f} MiB)"
+                )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mhc.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="T values")
+    parser.add_argument("--streams", type=int, default=4, help="n")
+    parser.add_argument("--dims", type=int, nargs="+", default=[1024, 4096], help="D values")
+    parser.add_argument("--dtypes", nargs="+", default=["f32", "bf16"], choices=["f32", "bf16"])
+    parser.add_argument("--mix", default="sinkhorn", choices=["sinkhorn", "permutations"])
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per median")
+    parser.add_argument("--threads", type=int, default=0, help="mhc threads (default: MHC_NUM_THREADS or all)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--_probe", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args._probe:
+        shape, use_kernel = json.loads(args._probe)
+        print(json.dumps(_memory_probe(Shape(**shape), use_kernel)))
+        return 0
+    for name in ("tokens", "dims"):
+        if any(v < 1 for v in getattr(args, name)):
+            parser.error(f"--{name}: expected positive values, got {getattr(args, name)}")
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected >= 1, got {args.repeats}")
+
+    from mhc import _mhc_cpu
+
+    if args.threads:
+        _mhc_cpu.set_num_threads(args.threads)
+    shapes = [Shape(t, args.streams, d, dtype, args.mix) for dtype in args.dtypes for t in args.tokens for d in args.dims]
+    result = run(shapes, args.ops, args.repeats, memory=not args.no_memory)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.exit(main())

@@ -1,0 +1,42 @@
+// The skinny matrix products of the pre operations (spec: Forward step 2 and its two gradients):
+// x [tokens, M] times the folded weight W = norm_weight * phi [M, N], with N = 2n + R small (24
+// for n = 4) and M = n*D large. Register-blocked micro-kernels, one per product, each cache
+// blocked so the block of W it streams stays in L1 while every token of the tile passes over it.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mhc::cpu {
+
+// W in the two layouts the kernels stream, folded once per call.
+class ProjectionWeight {
+ public:
+  ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N);
+
+  int64_t M() const { return M_; }
+  int64_t N() const { return N_; }
+  int64_t padded_N() const { return NP_; }
+  const float* rows() const { return rows_.data(); }  // [M, NP]: N padded with zeros to 8 lanes
+  // W^T blocked by 256 columns of M: block b holds [N, width] with width = min(256, M - 256 b).
+  const float* cols() const { return cols_.data(); }
+
+ private:
+  int64_t M_, N_, NP_;
+  std::vector<float> rows_, cols_;
+};
+
+// P[t*N + c] = sum_m x[t*M + m] W[m, c] for t < tokens. Each output sums f32 products over
+// blocks of 128 rows and adds the block sums in double: the error of a length-M dot product
+// stays near eps*sqrt(128) relative instead of growing with M.
+void project(const float* x, int64_t tokens, const ProjectionWeight& w, float* P);
+
+// dx[t*M + m] += sum_c dP[t*N + c] W[m, c], columns summed in order.
+void add_projection_grad(const float* dP, int64_t tokens, const ProjectionWeight& w, float* dx);
+
+// G[c*M + m] += sum_t dP[t*N + c] x[t*M + m]: the tokens of one call summed in f32 (a tile, at
+// most 64), then added to the double accumulator G [N, M] that spans all tiles.
+void accumulate_weight_grad(const float* x, const float* dP, int64_t tokens, int64_t M, int64_t N,
+                            double* G);
+
+}  // namespace mhc::cpu
