@@ -176,7 +176,8 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       double through_norm_weight = 0.0;
       for (int64_t c = 0; c < N; ++c) {
         double total = 0.0;
-        for (int64_t k = 0; k < chunks; ++k) total += G[static_cast<size_t>((k * N + c) * M + m)];
+        const int64_t at = weight_grad_index(c, m, M, N);
+        for (int64_t k = 0; k < chunks; ++k) total += G[k * N * M + at];
         dphi[m * N + c] = static_cast<float>(norm_weight[m] * total);
         through_norm_weight += phi[m * N + c] * total;
       }

@@ -44,7 +44,7 @@ constexpr int64_t kFoldRows = 128;   // rows of W per f32 partial sum of the pro
 constexpr int64_t kGradColumns = 256;
 // Columns of x per packed block of the weight gradient: the tile's rows of x are M apart, and
 // packing [tokens, 64] contiguously keeps the register blocks' loads in L1.
-constexpr int64_t kPackColumns = 64;
+constexpr int64_t kPackColumns = kWeightGradBlock;
 
 // TB tokens x CB*8 columns of P over rows [m0, m1): acc[t][j] += x[t, m] * W[m, cols].
 template <int TB, int CB>
@@ -112,11 +112,12 @@ MHC_INLINE void input_grad_tokens(const float* dP, int64_t N, const float* cols,
   }
 }
 
-// G rows c0..c0+CB, VB*8 columns from m: f32 sums over the tokens, then added to double G [N, M].
-// `packed` holds the tile's x for columns from m, one token every kPackColumns floats.
+// G rows c0..c0+CB, VB*8 columns from m: f32 sums over the tokens, then added to the double
+// block of G that holds column m (rows `width` apart, first column m0). `packed` holds the
+// tile's x for columns from m, one token every kPackColumns floats.
 template <int CB, int VB>
 MHC_INLINE void weight_grad_block(const float* packed, const float* dP, int64_t N, int64_t tokens,
-                                  int64_t c0, int64_t M, int64_t m, double* G) {
+                                  int64_t c0, int64_t width, int64_t offset, double* block) {
   Lanes8 acc[CB][VB] = {};
   for (int64_t t = 0; t < tokens; ++t) {
     Lanes8 xv[VB];
@@ -127,16 +128,16 @@ MHC_INLINE void weight_grad_block(const float* packed, const float* dP, int64_t 
     }
   }
   for (int j = 0; j < CB; ++j) {
-    for (int v = 0; v < VB; ++v) add_wide(G + (c0 + j) * M + m + v * kLanes, &acc[j][v]);
+    for (int v = 0; v < VB; ++v) add_wide(block + (c0 + j) * width + offset + v * kLanes, &acc[j][v]);
   }
 }
 
 template <int VB>
 MHC_INLINE void weight_grad_columns(const float* packed, const float* dP, int64_t N, int64_t tokens,
-                                    int64_t M, int64_t m, double* G) {
+                                    int64_t width, int64_t offset, double* block) {
   int64_t c = 0;
-  for (; c + 4 <= N; c += 4) weight_grad_block<4, VB>(packed, dP, N, tokens, c, M, m, G);
-  for (; c < N; ++c) weight_grad_block<1, VB>(packed, dP, N, tokens, c, M, m, G);
+  for (; c + 4 <= N; c += 4) weight_grad_block<4, VB>(packed, dP, N, tokens, c, width, offset, block);
+  for (; c < N; ++c) weight_grad_block<1, VB>(packed, dP, N, tokens, c, width, offset, block);
 }
 
 }  // namespace
@@ -197,21 +198,38 @@ MHC_CLONES void accumulate_weight_grad(const float* x, const float* dP, int64_t 
   packed.resize(static_cast<size_t>(tokens * kPackColumns));
   for (int64_t m0 = 0; m0 < M; m0 += kPackColumns) {
     const int64_t m1 = std::min(M, m0 + kPackColumns);
+    // The tile's rows are M floats apart, more streams than the hardware prefetcher follows:
+    // fetch the next block's lines while packing this one.
     for (int64_t t = 0; t < tokens; ++t) {
-      std::copy(x + t * M + m0, x + t * M + m1, packed.data() + t * kPackColumns);
+      const float* row = x + t * M;
+      for (int64_t ahead = m1; ahead < std::min(M, m1 + kPackColumns); ahead += 16) {
+        __builtin_prefetch(row + ahead);
+      }
+      float* out = packed.data() + t * kPackColumns;
+      if (m1 - m0 == kPackColumns) {
+        for (int v = 0; v < kPackColumns / kLanes; ++v) {
+          Lanes8 lanes;
+          load(&lanes, row + m0 + v * kLanes);
+          store(out + v * kLanes, &lanes);
+        }
+      } else {
+        std::copy(row + m0, row + m1, out);
+      }
     }
-    int64_t m = m0;
-    for (; m + 2 * kLanes <= m1; m += 2 * kLanes) {
-      weight_grad_columns<2>(packed.data() + (m - m0), dP, N, tokens, M, m, G);
+    double* block = G + m0 * N;
+    const int64_t width = m1 - m0;
+    int64_t m = 0;
+    for (; m + 2 * kLanes <= width; m += 2 * kLanes) {
+      weight_grad_columns<2>(packed.data() + m, dP, N, tokens, width, m, block);
     }
-    for (; m + kLanes <= m1; m += kLanes) {
-      weight_grad_columns<1>(packed.data() + (m - m0), dP, N, tokens, M, m, G);
+    for (; m + kLanes <= width; m += kLanes) {
+      weight_grad_columns<1>(packed.data() + m, dP, N, tokens, width, m, block);
     }
-    for (; m < m1; ++m) {
+    for (; m < width; ++m) {
       for (int64_t c = 0; c < N; ++c) {
         float acc = 0.0f;
-        for (int64_t t = 0; t < tokens; ++t) acc += dP[t * N + c] * packed[static_cast<size_t>(t * kPackColumns + (m - m0))];
-        G[c * M + m] += acc;
+        for (int64_t t = 0; t < tokens; ++t) acc += dP[t * N + c] * packed[static_cast<size_t>(t * kPackColumns + m)];
+        block[c * width + m] += acc;
       }
     }
   }

@@ -34,9 +34,21 @@ void project(const float* x, int64_t tokens, const ProjectionWeight& w, float* P
 // dx[t*M + m] += sum_c dP[t*N + c] W[m, c], columns summed in order.
 void add_projection_grad(const float* dP, int64_t tokens, const ProjectionWeight& w, float* dx);
 
-// G[c*M + m] += sum_t dP[t*N + c] x[t*M + m]: the tokens of one call summed in f32 (a tile, at
-// most 64), then added to the double accumulator G [N, M] that spans all tiles.
+// G[c, m] += sum_t dP[t*N + c] x[t*M + m]: the tokens of one call summed in f32 (a tile, at
+// most 64), then added to the double accumulator G that spans all tiles. G [N, M] is stored
+// blocked by 64 columns of M (weight_grad_index), so the block a register tile adds to is
+// contiguous instead of N rows 8*M bytes apart.
 void accumulate_weight_grad(const float* x, const float* dP, int64_t tokens, int64_t M, int64_t N,
                             double* G);
+
+// Columns of M per block of G (and per packed block of x in accumulate_weight_grad).
+inline constexpr int64_t kWeightGradBlock = 64;
+
+// Where G[c, m] lives in accumulate_weight_grad's layout.
+inline int64_t weight_grad_index(int64_t c, int64_t m, int64_t M, int64_t N) {
+  const int64_t m0 = m / kWeightGradBlock * kWeightGradBlock;
+  const int64_t width = M - m0 < kWeightGradBlock ? M - m0 : kWeightGradBlock;
+  return m0 * N + c * width + (m - m0);
+}
 
 }  // namespace mhc::cpu
