@@ -5,7 +5,8 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DMHC_WERROR=ON
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup configure build python test test-cpp test-python sanitize fuzz bench demo example clean
+.PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage bench demo \
+	example clean
 
 # Debian packages (scripts/setup.sh installs only what is missing).
 setup:
@@ -42,8 +43,21 @@ sanitize: setup
 fuzz: setup
 	@bash scripts/fuzz.sh
 
-# Every test: C++ (GoogleTest through CTest), sanitizers, a bounded fuzz run, Python (pytest).
-test: test-cpp sanitize fuzz test-python
+# Rewrites C++/CUDA (clang-format) and Python (ruff format, ruff's safe fixes) in place.
+format: setup $(VENV)/.installed
+	@bash scripts/lint.sh --fix
+
+# Checks formatting, then clang-tidy (.clang-tidy) and ruff check (pyproject.toml); fails on any finding.
+lint: setup $(VENV)/.installed
+	@bash scripts/lint.sh
+
+# C++ tests under gcov and Python tests under coverage.py; fails under 85% of lines of either.
+coverage: python
+	@bash scripts/coverage.sh
+
+# Every test: C++ (GoogleTest through CTest), sanitizers, a bounded fuzz run, Python (pytest, run
+# once, under coverage), then the lint checks.
+test: test-cpp sanitize fuzz coverage lint
 
 # Google Benchmark timing of the four operations next to a large memcpy (the bandwidth limit).
 bench: build
@@ -59,4 +73,4 @@ example: build
 	@$(BUILD)/mhc_example
 
 clean:
-	@rm -rf $(BUILD) build-asan build-tsan build-fuzz $(VENV)
+	@rm -rf $(BUILD) build-asan build-tsan build-fuzz build-lint build-coverage $(VENV)

@@ -68,9 +68,7 @@ struct Case {
   mhc::DType dtype;
   int64_t dim;
   mhc::Mix mix;
-  bool operator==(const Case& o) const {
-    return dtype == o.dtype && dim == o.dim && mix == o.mix;
-  }
+  bool operator==(const Case& o) const { return dtype == o.dtype && dim == o.dim && mix == o.mix; }
 };
 
 // "Normal-ish" values: the sum of four uniforms on [-0.5, 0.5), scaled to unit variance. Much
@@ -249,8 +247,8 @@ void BM_op(benchmark::State& state, Op op, Case c) {
   for (auto _ : state) ws.run(op);
   const double elapsed = seconds_since(start);
 
-  const double bytes = static_cast<double>(traffic_units(op, ws.n) * ws.D * ws.T *
-                                           mhc::size_of(c.dtype));
+  const double bytes =
+      static_cast<double>(traffic_units(op, ws.n) * ws.D * ws.T * mhc::size_of(c.dtype));
   set_traffic(state, bytes);
   if (g_copy_gbps > 0.0 && elapsed > 0.0) {
     const double gbps = bytes * static_cast<double>(state.iterations()) / elapsed / 1e9;
@@ -319,8 +317,8 @@ void register_all() {
     for (Op op : ops) {
       const bool perm = c.mix == mhc::Mix::permutations;
       if (perm && op != Op::pre_forward && op != Op::pre_backward) continue;
-      std::string name = std::string(op_name(op)) + "/" + mhc::to_string(c.dtype) +
-                         "/D:" + std::to_string(c.dim);
+      std::string name =
+          std::string(op_name(op)) + "/" + mhc::to_string(c.dtype) + "/D:" + std::to_string(c.dim);
       if (perm) name += "/mix:permutations";
       benchmark::RegisterBenchmark(name.c_str(), BM_op, op, c)
           ->Unit(benchmark::kMillisecond)

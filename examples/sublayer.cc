@@ -48,8 +48,8 @@ int main() {
   Buffer phi = random_buffer(rng, M * N, 0.02f);
   Buffer alpha = {1.0f, 1.0f, 1.0f};
   Buffer bias = random_buffer(rng, N, 1.0f);
-  const mhc::Params params{{norm_weight.data(), {M}}, {phi.data(), {M, N}},
-                           {alpha.data(), {3}}, {bias.data(), {N}}};
+  const mhc::Params params{
+      {norm_weight.data(), {M}}, {phi.data(), {M, N}}, {alpha.data(), {3}}, {bias.data(), {N}}};
 
   Buffer x = random_buffer(rng, T * n * D, 1.0f);  // the n residual streams of T tokens
   std::printf("x [T, n, D] = [%lld, %lld, %lld], phi [M, N] = [%lld, %lld]\n",
@@ -60,7 +60,9 @@ int main() {
   // pre_forward: one pass over x gives what F reads and the three coefficient tensors.
   Buffer layer_in(T * D), h_pre(T * n), h_post(T * n), h_res(T * n * n);
   mhc::pre_forward(config, {x.data(), {T, n, D}}, params,
-                   {{layer_in.data(), {T, D}}, {h_pre.data(), {T, n}}, {h_post.data(), {T, n}},
+                   {{layer_in.data(), {T, D}},
+                    {h_pre.data(), {T, n}},
+                    {h_post.data(), {T, n}},
                     {h_res.data(), {T, n, n}}});
 
   // The branch F: layer_out = tanh(layer_in).
@@ -95,10 +97,11 @@ int main() {
   // coefficients receive.
   Buffer dx_partial(T * n * D), dlayer_out(T * D), dh_post(T * n), dh_res(T * n * n);
   mhc::post_backward(config, {g.data(), {T, n, D}}, {x.data(), {T, n, D}},
-                     {layer_out.data(), {T, D}}, {h_post.data(), {T, n}},
-                     {h_res.data(), {T, n, n}},
-                     {{dx_partial.data(), {T, n, D}}, {dlayer_out.data(), {T, D}},
-                      {dh_post.data(), {T, n}}, {dh_res.data(), {T, n, n}}});
+                     {layer_out.data(), {T, D}}, {h_post.data(), {T, n}}, {h_res.data(), {T, n, n}},
+                     {{dx_partial.data(), {T, n, D}},
+                      {dlayer_out.data(), {T, D}},
+                      {dh_post.data(), {T, n}},
+                      {dh_res.data(), {T, n, n}}});
 
   // Backward of F by hand: d tanh(u)/du = 1 - tanh(u)^2, and tanh(u) is layer_out.
   Buffer dlayer_in(T * D);
@@ -112,11 +115,13 @@ int main() {
   mhc::pre_backward(config, {dlayer_in.data(), {T, D}}, {dx_partial.data(), {T, n, D}},
                     {dh_post.data(), {T, n}}, {dh_res.data(), {T, n, n}}, {x.data(), {T, n, D}},
                     params, {dx.data(), {T, n, D}},
-                    {{dnorm_weight.data(), {M}}, {dphi.data(), {M, N}}, {dalpha.data(), {3}},
+                    {{dnorm_weight.data(), {M}},
+                     {dphi.data(), {M, N}},
+                     {dalpha.data(), {3}},
                      {dbias.data(), {N}}});
 
-  std::printf("||x|| = %.4f  ||out|| = %.4f  ||dx|| = %.4f  ||dphi|| = %.4f\n", norm(x),
-              norm(out), norm(dx), norm(dphi));
+  std::printf("||x|| = %.4f  ||out|| = %.4f  ||dx|| = %.4f  ||dphi|| = %.4f\n", norm(x), norm(out),
+              norm(dx), norm(dphi));
   std::printf("dalpha = {%.4f, %.4f, %.4f}\n\n", dalpha[0], dalpha[1], dalpha[2]);
 
   // ---- Errors ----

@@ -2,7 +2,10 @@
 # Installs what building and testing mhc needs, from Debian's packages, only where missing.
 set -euo pipefail
 
-packages=(cmake g++ make libgtest-dev libbenchmark-dev clang libclang-rt-14-dev)
+# clang-format and clang-tidy 14 for `make lint` (one version: formatting differs between them;
+# ruff and gcovr come from requirements-dev.txt).
+packages=(cmake g++ make libgtest-dev libbenchmark-dev clang libclang-rt-14-dev
+  clang-format-14 clang-tidy-14)
 missing=()
 # The Python package is built in a virtual environment; Debian's python3 needs python3-venv and
 # the headers for that (a pyenv or other self-built python3 has both).

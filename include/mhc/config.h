@@ -22,8 +22,8 @@ inline constexpr int64_t kMaxPermutationStreams = 6;
 inline constexpr int64_t kMaxSinkhornIters = 10000;
 
 struct Config {
-  int64_t n = 4;     // streams
-  int64_t dim = 0;   // D, features per stream
+  int64_t n = 4;    // streams
+  int64_t dim = 0;  // D, features per stream
   Mix mix = Mix::sinkhorn;
   int64_t sinkhorn_iters = 20;
   float sinkhorn_eps = 1e-6f;

@@ -44,8 +44,7 @@ struct PreBackward {
   Params grads;
 };
 PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
-                         const Vec& dh_post, const Vec& dh_res, const Vec& x,
-                         const Params& params);
+                         const Vec& dh_post, const Vec& dh_res, const Vec& x, const Params& params);
 
 // H_res of one token from its R residual logits (spec: Forward step 5).
 Vec mix_matrix(const Config& config, const double* residual_logits);

@@ -91,15 +91,19 @@ def _inputs(s: Shape, seed: int = 0):
     normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)  # noqa: E731
     h_post = jax.random.uniform(keys[5], (t, n), jnp.float32)
     h_res = jax.nn.softmax(jax.random.normal(keys[6], (t, n, n)), axis=-1)
-    return config, params, dict(
-        x=normal(keys[1], (t, n, d)),
-        layer_out=normal(keys[2], (t, d)),
-        g=normal(keys[3], (t, n, d)),
-        dlayer_in=normal(keys[4], (t, d)),
-        h_post=h_post,
-        h_res=h_res,
-        dh_post=jax.random.normal(keys[7], (t, n)),
-        dh_res=jax.random.normal(keys[7], (t, n, n)),
+    return (
+        config,
+        params,
+        dict(
+            x=normal(keys[1], (t, n, d)),
+            layer_out=normal(keys[2], (t, d)),
+            g=normal(keys[3], (t, n, d)),
+            dlayer_in=normal(keys[4], (t, d)),
+            h_post=h_post,
+            h_res=h_res,
+            dh_post=jax.random.normal(keys[7], (t, n)),
+            dh_res=jax.random.normal(keys[7], (t, n, n)),
+        ),
     )
 
 
@@ -253,7 +257,9 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                 args = tuple(data[name] for name in names)
                 times[use_kernel] = _median_seconds(function, args, repeats)
             nbytes, flops = minimum_bytes(op, s), flop_count(op, s)
-            floor = max(nbytes / (machine["copy_gbs"] * 1e9), flops / (machine["fma_peak_gflops"] * 1e9))
+            memory_floor = nbytes / (machine["copy_gbs"] * 1e9)
+            compute_floor = flops / (machine["fma_peak_gflops"] * 1e9)
+            floor = max(memory_floor, compute_floor)
             rows.append(
                 {
                     **dataclasses.asdict(s),
@@ -264,7 +270,9 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                     "kernel_gbs": nbytes / times[True] / 1e9,
                     "kernel_gflops": flops / times[True] / 1e9,
                     "roofline_floor_ms": floor * 1e3,
-                    "bound": "memory" if nbytes / machine["copy_gbs"] >= flops / machine["fma_peak_gflops"] else "compute",
+                    "bound": "memory"
+                    if nbytes / machine["copy_gbs"] >= flops / machine["fma_peak_gflops"]
+                    else "compute",
                     "roofline_fraction": floor / times[True],
                 }
             )
@@ -272,7 +280,9 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                 bar.update()
         if memory:
             for use_kernel, path in ((True, "kernel"), (False, "plain")):
-                rows.append({**dataclasses.asdict(s), "op": "memory_fwd_bwd", "path": path, **_measure_memory(s, use_kernel)})
+                rows.append(
+                    {**dataclasses.asdict(s), "op": "memory_fwd_bwd", "path": path, **_measure_memory(s, use_kernel)}
+                )
     if bar is not None:
         bar.close()
     return {"machine": machine, "repeats": repeats, "rows": rows}
@@ -339,7 +349,9 @@ def main(argv=None) -> int:
 
     if args.threads:
         _mhc_cpu.set_num_threads(args.threads)
-    shapes = [Shape(t, args.streams, d, dtype, args.mix) for dtype in args.dtypes for t in args.tokens for d in args.dims]
+    shapes = [
+        Shape(t, args.streams, d, dtype, args.mix) for dtype in args.dtypes for t in args.tokens for d in args.dims
+    ]
     result = run(shapes, args.ops, args.repeats, memory=not args.no_memory)
     print(format_table(result))
     if args.json:

@@ -14,7 +14,6 @@ import csv
 import dataclasses
 import json
 import multiprocessing
-import os
 import resource
 import sys
 import sysconfig
@@ -75,7 +74,6 @@ def _batches(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generato
 
 def train(spec: RunSpec) -> dict:
     """One training run; returns its metrics (and samples text from the trained model)."""
-    import jax
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -87,8 +85,14 @@ def train(spec: RunSpec) -> dict:
     corpus = np.frombuffer(load_corpus(spec.data), np.uint8)
     split = int(0.9 * len(corpus))
     train_data, val_data = corpus[:split], corpus[split:]
-    config = ModelConfig(width=spec.width, layers=spec.layers, heads=spec.heads, residual=spec.residual,
-                         n=spec.n, use_kernel=spec.use_kernel)
+    config = ModelConfig(
+        width=spec.width,
+        layers=spec.layers,
+        heads=spec.heads,
+        residual=spec.residual,
+        n=spec.n,
+        use_kernel=spec.use_kernel,
+    )
     model = Transformer(config, rngs=nnx.Rngs(spec.seed))
     optimizer = nnx.Optimizer(model, optax.adamw(spec.lr, weight_decay=0.01), wrt=nnx.Param)
 
@@ -109,8 +113,7 @@ def train(spec: RunSpec) -> dict:
     losses, val_losses = [], []
     tokens_per_step = spec.batch * spec.seq_len
     timed_tokens, timed_seconds = 0, 0.0
-    bar = tqdm(range(1, spec.steps + 1), desc=spec.name, disable=not spec.progress, file=sys.stderr,
-               dynamic_ncols=True)
+    bar = tqdm(range(1, spec.steps + 1), desc=spec.name, disable=not spec.progress, file=sys.stderr, dynamic_ncols=True)
     for i in bar:
         tokens, targets = _batches(train_data, spec.batch, spec.seq_len, rng)
         start = time.perf_counter()
@@ -137,7 +140,7 @@ def train(spec: RunSpec) -> dict:
         "spec": dataclasses.asdict(spec),
         "losses": losses,
         "val_losses": val_losses,
-        "final_train_loss": float(np.mean(losses[-max(1, min(20, len(losses))):])),
+        "final_train_loss": float(np.mean(losses[-max(1, min(20, len(losses))) :])),
         "final_val_loss": val_losses[-1][1],
         "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else float("nan"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
@@ -198,8 +201,8 @@ def write_outputs(results: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in results:
         steps = np.arange(1, len(run["losses"]) + 1)
-        line, = ax.plot(steps, run["losses"], alpha=0.5, lw=1, label=f"{run['name']} train")
-        val_steps, val_loss = zip(*run["val_losses"])
+        (line,) = ax.plot(steps, run["losses"], alpha=0.5, lw=1, label=f"{run['name']} train")
+        val_steps, val_loss = zip(*run["val_losses"], strict=True)
         ax.plot(val_steps, val_loss, "o-", color=line.get_color(), label=f"{run['name']} validation")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per byte)")
@@ -218,7 +221,7 @@ def write_outputs(results: list[dict], out: Path) -> None:
         axes[0].plot(depth, run["amax_forward"], "o-", label=run["name"])
         axes[1].plot(depth, run["amax_backward"], "o-", label=run["name"])
     largest = max([1.0] + [max(r["amax_forward"] + r["amax_backward"]) for r in results if r["amax_forward"]])
-    for ax, title in zip(axes, ("forward (max row sum)", "backward (max column sum)")):
+    for ax, title in zip(axes, ("forward (max row sum)", "backward (max column sum)"), strict=True):
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_ylim(0.0, max(2.0, 1.1 * largest))  # mHC keeps both near 1; HC without it can explode
@@ -237,13 +240,17 @@ def print_summary(results: list[dict], out: Path) -> None:
     print(f"{'run':12} {'residual':9} {'kernel':7} {'train loss':>10} {'val loss':>9} {'tokens/s':>10} {'peak MiB':>9}")
     for run in results:
         spec = run["spec"]
-        print(f"{run['name']:12} {spec['residual']:9} {'yes' if spec['use_kernel'] else 'no':7} "
-              f"{run['final_train_loss']:10.3f} {run['final_val_loss']:9.3f} {run['tokens_per_s']:10,.0f} "
-              f"{run['peak_rss_mib']:9.0f}")
+        print(
+            f"{run['name']:12} {spec['residual']:9} {'yes' if spec['use_kernel'] else 'no':7} "
+            f"{run['final_train_loss']:10.3f} {run['final_val_loss']:9.3f} {run['tokens_per_s']:10,.0f} "
+            f"{run['peak_rss_mib']:9.0f}"
+        )
     for run in results:
         if run["amax_forward"]:
-            print(f"\n{run['name']}: Amax gain at the last depth: forward {run['amax_forward'][-1]:.3f}, "
-                  f"backward {run['amax_backward'][-1]:.3f}")
+            print(
+                f"\n{run['name']}: Amax gain at the last depth: forward {run['amax_forward'][-1]:.3f}, "
+                f"backward {run['amax_backward'][-1]:.3f}"
+            )
         print(f"\n{run['name']} sample:\n{run['spec']['prompt']}{run['sample']}")
     print(f"\nwrote {out}/metrics.json, metrics.csv, loss.png, amax_gain.png")
 
@@ -258,8 +265,12 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--n", type=int, default=4, help="streams of the mHC residual")
     parser.add_argument("--residual", choices=("plain", "mhc", "mhc-lite"), default="mhc")
-    parser.add_argument("--use-kernel", action=argparse.BooleanOptionalAction, default=True,
-                        help="fused C++ kernels (default) or the plain-JAX path")
+    parser.add_argument(
+        "--use-kernel",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fused C++ kernels (default) or the plain-JAX path",
+    )
     parser.add_argument("--compare", action="store_true", help="run with and without the kernels")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -276,16 +287,31 @@ def main(argv=None) -> int:
     if args.compare and args.residual == "plain":
         parser.error("--compare switches the mHC kernels: use --residual mhc or mhc-lite")
 
-    base = dict(steps=args.steps, batch=args.batch, seq_len=args.seq_len, width=args.width,
-                layers=args.layers, heads=args.heads, n=args.n, residual=args.residual, lr=args.lr,
-                seed=args.seed, eval_every=args.eval_every, eval_batches=args.eval_batches,
-                sample_bytes=args.sample_bytes, prompt=args.prompt, data=args.data,
-                progress=not args.no_progress)
+    base = dict(
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        width=args.width,
+        layers=args.layers,
+        heads=args.heads,
+        n=args.n,
+        residual=args.residual,
+        lr=args.lr,
+        seed=args.seed,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        sample_bytes=args.sample_bytes,
+        prompt=args.prompt,
+        data=args.data,
+        progress=not args.no_progress,
+    )
     if args.compare:
         specs = [RunSpec(name="kernel", use_kernel=True, **base), RunSpec(name="plain-jax", use_kernel=False, **base)]
         results = [_train_in_subprocess(spec) for spec in specs]
     else:
-        name = args.residual if args.residual == "plain" else f"{args.residual}-{'kernel' if args.use_kernel else 'jax'}"
+        name = (
+            args.residual if args.residual == "plain" else f"{args.residual}-{'kernel' if args.use_kernel else 'jax'}"
+        )
         results = [train(RunSpec(name=name, use_kernel=args.use_kernel, **base))]
     out = Path(args.out)
     write_outputs(results, out)

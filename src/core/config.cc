@@ -1,10 +1,11 @@
 // Config helpers and the lexicographic permutation enumeration (spec: Forward step 5).
+#include "mhc/config.h"
+
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <string>
 
-#include "mhc/config.h"
 #include "mhc/error.h"
 
 namespace mhc {
@@ -34,33 +35,33 @@ namespace {
 void check_eps(const char* op, const char* name, float value, bool allow_zero) {
   if (!std::isfinite(value) || value < 0.0f || (!allow_zero && value == 0.0f)) {
     throw Error(op, std::string("config.") + name,
-                std::string("expected a finite value ") + (allow_zero ? ">= 0" : "> 0") +
-                    ", got " + std::to_string(value));
+                std::string("expected a finite value ") + (allow_zero ? ">= 0" : "> 0") + ", got " +
+                    std::to_string(value));
   }
 }
 }  // namespace
 
 void validate(const Config& config, const char* op) {
   if (config.mix != Mix::sinkhorn && config.mix != Mix::permutations) {
-    throw Error(op, "config.mix", "expected Mix::sinkhorn or Mix::permutations, got value " +
-                                      std::to_string(static_cast<int>(config.mix)));
+    throw Error(op, "config.mix",
+                "expected Mix::sinkhorn or Mix::permutations, got value " +
+                    std::to_string(static_cast<int>(config.mix)));
   }
   const int64_t max_n = config.mix == Mix::permutations ? kMaxPermutationStreams : kMaxStreams;
   if (config.n < 1 || config.n > max_n) {
     throw Error(op, "config.n",
-                "expected 1 <= n <= " + std::to_string(max_n) + " for mix=" +
-                    to_string(config.mix) + ", got " + std::to_string(config.n));
+                "expected 1 <= n <= " + std::to_string(max_n) +
+                    " for mix=" + to_string(config.mix) + ", got " + std::to_string(config.n));
   }
   // Keeps M = n*D and M*N far from int64 overflow; real models use D <= 2^16.
   constexpr int64_t kMaxDim = int64_t{1} << 32;
   if (config.dim < 1 || config.dim > kMaxDim) {
-    throw Error(op, "config.dim",
-                "expected 1 <= D <= 2^32, got " + std::to_string(config.dim));
+    throw Error(op, "config.dim", "expected 1 <= D <= 2^32, got " + std::to_string(config.dim));
   }
   if (config.sinkhorn_iters < 1 || config.sinkhorn_iters > kMaxSinkhornIters) {
     throw Error(op, "config.sinkhorn_iters",
-                "expected 1 <= sinkhorn_iters <= " + std::to_string(kMaxSinkhornIters) +
-                    ", got " + std::to_string(config.sinkhorn_iters));
+                "expected 1 <= sinkhorn_iters <= " + std::to_string(kMaxSinkhornIters) + ", got " +
+                    std::to_string(config.sinkhorn_iters));
   }
   if (config.tensor_parallel < 1 || config.dim % config.tensor_parallel != 0) {
     throw Error(op, "config.tensor_parallel",

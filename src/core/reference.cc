@@ -19,7 +19,8 @@ Vec softmax_rows(const double* logits, int64_t n) {
     for (int64_t j = 1; j < n; ++j) largest = std::fmax(largest, logits[i * n + j]);
     double total = 0.0;
     for (int64_t j = 0; j < n; ++j) total += std::exp(logits[i * n + j] - largest);
-    for (int64_t j = 0; j < n; ++j) result[i * n + j] = std::exp(logits[i * n + j] - largest) / total;
+    for (int64_t j = 0; j < n; ++j)
+      result[i * n + j] = std::exp(logits[i * n + j] - largest) / total;
   }
   return result;
 }
@@ -194,7 +195,8 @@ Vec post_forward(const Config& config, const Vec& x, const Vec& layer_out, const
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t d = 0; d < D; ++d) {
         double value = h_post[t * n + j] * layer_out[t * D + d];
-        for (int64_t i = 0; i < n; ++i) value += h_res[(t * n + i) * n + j] * x[(t * n + i) * D + d];
+        for (int64_t i = 0; i < n; ++i)
+          value += h_res[(t * n + i) * n + j] * x[(t * n + i) * D + d];
         out[(t * n + j) * D + d] = value;
       }
     }

@@ -30,8 +30,7 @@ ArgumentChecker::ArgumentChecker(const char* op, const Config& config)
 }
 
 void ArgumentChecker::tokens(const char* name, const TensorRef& view) {
-  if (view.rank != 3 || view.shape[1] != dims_.n || view.shape[2] != dims_.D ||
-      view.shape[0] < 0) {
+  if (view.rank != 3 || view.shape[1] != dims_.n || view.shape[2] != dims_.D || view.shape[0] < 0) {
     throw Error(op_, name,
                 "expected shape [T, " + std::to_string(dims_.n) + ", " + std::to_string(dims_.D) +
                     "] with T >= 0 (n and D / tensor_parallel from the config), got " +
@@ -56,9 +55,10 @@ void ArgumentChecker::output(const char* name, const MutableTensorRef& view,
 
 void ArgumentChecker::whole_dim(const char* split_ops) {
   if (tensor_parallel_ != 1) {
-    throw Error(op_, "config.tensor_parallel",
-                "expected 1: this fused operation needs all of D; with D split across devices use " +
-                    std::string(split_ops) + ", got " + std::to_string(tensor_parallel_));
+    throw Error(
+        op_, "config.tensor_parallel",
+        "expected 1: this fused operation needs all of D; with D split across devices use " +
+            std::string(split_ops) + ", got " + std::to_string(tensor_parallel_));
   }
 }
 
@@ -77,15 +77,14 @@ void ArgumentChecker::grads(const ParamGrads& grads) {
 }
 
 void ArgumentChecker::check_view(const char* name, const TensorRef& view,
-                                 const std::vector<int64_t>& expected, DType dtype,
-                                 bool written) {
+                                 const std::vector<int64_t>& expected, DType dtype, bool written) {
   bool same_shape = view.rank == static_cast<int>(expected.size());
   for (size_t axis = 0; same_shape && axis < expected.size(); ++axis) {
     same_shape = view.shape[axis] == expected[axis];
   }
   if (!same_shape) {
-    throw Error(op_, name, "expected shape " + shape_text(expected) + ", got " +
-                               view.shape_string());
+    throw Error(op_, name,
+                "expected shape " + shape_text(expected) + ", got " + view.shape_string());
   }
   if (view.dtype != dtype) {
     const bool is_unknown = view.dtype != DType::f32 && view.dtype != DType::bf16;
@@ -97,8 +96,9 @@ void ArgumentChecker::check_view(const char* name, const TensorRef& view,
   int64_t bytes = size_of(dtype);
   for (int64_t extent : expected) {
     if (__builtin_mul_overflow(bytes, extent, &bytes) || bytes > PTRDIFF_MAX) {
-      throw Error(op_, name, "shape " + shape_text(expected) + " of " + to_string(dtype) +
-                                 " overflows the addressable byte size");
+      throw Error(op_, name,
+                  "shape " + shape_text(expected) + " of " + to_string(dtype) +
+                      " overflows the addressable byte size");
     }
   }
   if (bytes == 0) return;  // empty tensors may have null data and overlap nothing
@@ -107,8 +107,8 @@ void ArgumentChecker::check_view(const char* name, const TensorRef& view,
   }
   const auto begin = reinterpret_cast<uintptr_t>(view.data);
   if (begin > UINTPTR_MAX - static_cast<uintptr_t>(bytes)) {
-    throw Error(op_, name, "buffer of " + std::to_string(bytes) +
-                               " bytes wraps around the address space");
+    throw Error(op_, name,
+                "buffer of " + std::to_string(bytes) + " bytes wraps around the address space");
   }
   spans_.push_back(Span{name, begin, begin + static_cast<uintptr_t>(bytes), written});
 }
@@ -119,8 +119,9 @@ void ArgumentChecker::finish() const {
       if (a == b || !spans_[a].written || (spans_[b].written && b < a)) continue;
       const bool overlap = spans_[a].begin < spans_[b].end && spans_[b].begin < spans_[a].end;
       if (overlap) {
-        throw Error(op_, spans_[a].name, "output memory overlaps " + spans_[b].name +
-                                             "; outputs must not alias any other argument");
+        throw Error(op_, spans_[a].name,
+                    "output memory overlaps " + spans_[b].name +
+                        "; outputs must not alias any other argument");
       }
     }
   }

@@ -25,7 +25,8 @@ void post_forward(const Config& config, const TensorRef& x, const TensorRef& lay
   detail::ArgumentChecker check("mhc::post_forward", config);
   check.tokens("x", x);
   const detail::Dims& d = check.dims();
-  check.tensor("layer_out", layer_out, {d.T, d.D}, layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32);
+  check.tensor("layer_out", layer_out, {d.T, d.D},
+               layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32);
   check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
   check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
   check.output("out", out, {d.T, d.n, d.D}, x.dtype);
@@ -130,9 +131,9 @@ void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
   check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
   check.grads(grads);
   check.finish();
-  cpu::pre_backward_finish(config, d, dlayer_in, dx_partial,
-                           static_cast<const float*>(dh_pre.data), dh_post, dh_res, x,
-                           static_cast<const float*>(partials.data), params, dx, grads);
+  cpu::pre_backward_finish(config, d, dlayer_in, dx_partial, static_cast<const float*>(dh_pre.data),
+                           dh_post, dh_res, x, static_cast<const float*>(partials.data), params, dx,
+                           grads);
 }
 
 void set_num_threads(int threads) { cpu::ThreadPool::instance().set_threads(threads); }

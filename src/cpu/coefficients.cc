@@ -111,8 +111,8 @@ void TokenCoefficients::permutations_forward(float* h_res) {
 }
 
 void TokenCoefficients::backward(const float* P, double r, const double* dh_pre,
-                                 const float* dh_post, const float* dh_res, float* dP,
-                                 double* dP_wide, double* dr, double* dalpha, double* dbias) {
+                                 const float* dh_post, const float* dh_res, float* dP, double* dr,
+                                 double* dalpha, double* dbias) {
   const int64_t n = n_;
   double* da = dlogits_.data();
   for (int64_t k = 0; k < n; ++k) {
@@ -133,8 +133,7 @@ void TokenCoefficients::backward(const float* P, double r, const double* dh_pre,
     dalpha[group] += da[c] * (r * P[c]);
     const double dZ = alpha_[group] * da[c];
     dr_total += dZ * P[c];
-    dP_wide[c] = r * dZ;
-    dP[c] = static_cast<float>(dP_wide[c]);
+    dP[c] = static_cast<float>(r * dZ);
   }
   *dr = dr_total;
 }
@@ -150,7 +149,8 @@ void TokenCoefficients::sinkhorn_backward(const float* dh_res, double* dlogits) 
     const double* sums = sums_.data() + step * n;
     for (int64_t k = 0; k < n; ++k) dots_[k] = 0.0;
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < n; ++j) dots_[over_columns ? j : i] += grad[i * n + j] * result[i * n + j];
+      for (int64_t j = 0; j < n; ++j)
+        dots_[over_columns ? j : i] += grad[i * n + j] * result[i * n + j];
     }
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < n; ++j) {

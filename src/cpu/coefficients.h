@@ -29,12 +29,10 @@ class TokenCoefficients {
   // history of this token for a following backward().
   void forward(const float* P, double r, float* h_pre, float* h_post, float* h_res);
 
-  // After forward() on the same token: from dh_pre, dh_post, dh_res to dP [N] (in f32 for the
-  // input gradient, in double for the weight gradient) and dr; adds this token's terms to
-  // dalpha [3] and dbias [N].
+  // After forward() on the same token: from dh_pre, dh_post, dh_res to dP [N] and dr; adds this
+  // token's terms to dalpha [3] and dbias [N].
   void backward(const float* P, double r, const double* dh_pre, const float* dh_post,
-                const float* dh_res, float* dP, double* dP_wide, double* dr, double* dalpha,
-                double* dbias);
+                const float* dh_res, float* dP, double* dr, double* dalpha, double* dbias);
 
  private:
   void sinkhorn_forward(float* h_res);
@@ -46,14 +44,14 @@ class TokenCoefficients {
   const float* alpha_;
   const float* bias_;
   int64_t n_, N_, R_;
-  std::vector<double> logits_;      // a [N]
-  std::vector<double> softmax_;      // Sinkhorn: row softmax [n*n]; permutations: weights [R]
-  std::vector<double> steps_;        // Sinkhorn step results, (2*iters - 1) x [n*n]
-  std::vector<double> sums_;         // Sinkhorn step sums, (2*iters - 1) x [n]
-  std::vector<double> gradient_;     // [n*n] and [R] work space for the backward
-  std::vector<double> dots_;         // [n]
-  std::vector<double> dlogits_;      // da [N]
-  std::vector<int> perm_targets_;   // permutations: perm_p(i) for all p, [R*n]
+  std::vector<double> logits_;     // a [N]
+  std::vector<double> softmax_;    // Sinkhorn: row softmax [n*n]; permutations: weights [R]
+  std::vector<double> steps_;      // Sinkhorn step results, (2*iters - 1) x [n*n]
+  std::vector<double> sums_;       // Sinkhorn step sums, (2*iters - 1) x [n]
+  std::vector<double> gradient_;   // [n*n] and [R] work space for the backward
+  std::vector<double> dots_;       // [n]
+  std::vector<double> dlogits_;    // da [N]
+  std::vector<int> perm_targets_;  // permutations: perm_p(i) for all p, [R*n]
 };
 
 }  // namespace mhc::cpu

@@ -39,13 +39,12 @@ void pre_forward_partials(const detail::Dims& dims, const TensorRef& x,
 void pre_forward_finish(const Config& config, const detail::Dims& dims, const TensorRef& x,
                         const float* partials, const float* alpha, const float* bias,
                         const PreForwardOutputs& outputs);
-void pre_backward_partials(const detail::Dims& dims, const TensorRef& dlayer_in,
-                           const TensorRef& x, float* dh_pre);
-void pre_backward_finish(const Config& config, const detail::Dims& dims,
-                         const TensorRef& dlayer_in, const TensorRef& dx_partial,
-                         const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
-                         const TensorRef& x, const float* partials, const Params& params,
-                         const MutableTensorRef& dx, const ParamGrads& grads);
+void pre_backward_partials(const detail::Dims& dims, const TensorRef& dlayer_in, const TensorRef& x,
+                           float* dh_pre);
+void pre_backward_finish(const Config& config, const detail::Dims& dims, const TensorRef& dlayer_in,
+                         const TensorRef& dx_partial, const float* dh_pre, const TensorRef& dh_post,
+                         const TensorRef& dh_res, const TensorRef& x, const float* partials,
+                         const Params& params, const MutableTensorRef& dx, const ParamGrads& grads);
 
 void post_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
                   const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,

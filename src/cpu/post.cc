@@ -16,8 +16,8 @@ std::vector<float> staging(int64_t count) {
 }
 
 template <class X, class L>
-void run_post_forward(const detail::Dims& dims, const X* x, const L* layer_out,
-                      const float* h_post, const float* h_res, X* out) {
+void run_post_forward(const detail::Dims& dims, const X* x, const L* layer_out, const float* h_post,
+                      const float* h_res, X* out) {
   const int64_t T = dims.T, n = dims.n, D = dims.D, M = dims.M;
   const int64_t tile = post_tile_tokens(M);
   const int64_t tasks = ceil_div(T, tile);
@@ -27,7 +27,9 @@ void run_post_forward(const detail::Dims& dims, const X* x, const L* layer_out,
     std::vector<float> x, layer_out, out;
   };
   std::vector<Scratch> scratch;
-  for (int w = 0; w < workers; ++w) scratch.push_back({staging<X>(M), staging<L>(D), staging<X>(M)});
+  scratch.reserve(static_cast<size_t>(workers));
+  for (int w = 0; w < workers; ++w)
+    scratch.push_back({staging<X>(M), staging<L>(D), staging<X>(M)});
 
   pool.parallel_for(tasks, workers, [&](int64_t task, int worker) {
     Scratch& s = scratch[static_cast<size_t>(worker)];
@@ -58,6 +60,7 @@ void run_post_backward(const detail::Dims& dims, const X* g, const X* x, const L
     std::vector<float> g, x, layer_out, dx_partial, dlayer_out;
   };
   std::vector<Scratch> scratch;
+  scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
     scratch.push_back({staging<X>(M), staging<X>(M), staging<L>(D), staging<X>(M), staging<L>(D)});
   }
@@ -74,7 +77,8 @@ void run_post_backward(const detail::Dims& dims, const X* g, const X* x, const L
       const float* hp = h_post + t * n;
       const float* hr = h_res + t * n * n;
       weighted_rows(nullptr, 0.0f, gt, n, hp, 1, D, dlo);
-      for (int64_t j = 0; j < n; ++j) dh_post[t * n + j] = static_cast<float>(dot(lo, gt + j * D, D));
+      for (int64_t j = 0; j < n; ++j)
+        dh_post[t * n + j] = static_cast<float>(dot(lo, gt + j * D, D));
       for (int64_t i = 0; i < n; ++i) {
         weighted_rows(nullptr, 0.0f, gt, n, hr + i * n, 1, D, dxp + i * D);
         for (int64_t j = 0; j < n; ++j) {
@@ -120,12 +124,12 @@ void post_backward(const Config&, const detail::Dims& dims, const TensorRef& g, 
   dispatch(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
     using X = decltype(x_tag);
     using L = decltype(lo_tag);
-    run_post_backward(dims, static_cast<const X*>(g.data), static_cast<const X*>(x.data),
-                      static_cast<const L*>(layer_out.data), static_cast<const float*>(h_post.data),
-                      static_cast<const float*>(h_res.data), static_cast<X*>(outputs.dx_partial.data),
-                      static_cast<L*>(outputs.dlayer_out.data),
-                      static_cast<float*>(outputs.dh_post.data),
-                      static_cast<float*>(outputs.dh_res.data));
+    run_post_backward(
+        dims, static_cast<const X*>(g.data), static_cast<const X*>(x.data),
+        static_cast<const L*>(layer_out.data), static_cast<const float*>(h_post.data),
+        static_cast<const float*>(h_res.data), static_cast<X*>(outputs.dx_partial.data),
+        static_cast<L*>(outputs.dlayer_out.data), static_cast<float*>(outputs.dh_post.data),
+        static_cast<float*>(outputs.dh_res.data));
   });
 }
 

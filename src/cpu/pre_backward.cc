@@ -10,7 +10,8 @@
 //
 // Determinism: tiles are grouped into chunks whose boundaries depend on the shapes only. A chunk
 // runs its tiles in order on one worker and owns double accumulators for G, dalpha and dbias
-// (see accumulate_weight_grad for why double); the chunks are summed in chunk order at the end.
+// (each tile's weight-gradient sums are f32, see projection.h); the chunks are summed in chunk
+// order at the end.
 // No result depends on the thread count.
 #include <cmath>
 #include <type_traits>
@@ -90,22 +91,21 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   float* staging = workspace(staging_storage, static_cast<size_t>(workers * stage));
 
   struct Scratch {
-    float *x, *dlayer_in, *dx;           // f32 staging (bf16 only)
-    std::vector<float> P, dP;            // [tile, N]
-    std::vector<double> dP_wide;         // [tile, N]
-    std::vector<float> h_pre;            // [tile, n]
-    std::vector<float> rms_term;         // [tile]: dr r^3 / M
-    std::vector<float> unused;           // h_post, h_res of the recompute [n + n*n]
-    std::vector<double> dh_pre;          // [n]
+    float *x, *dlayer_in, *dx;    // f32 staging (bf16 only)
+    std::vector<float> P, dP;     // [tile, N]
+    std::vector<float> h_pre;     // [tile, n]
+    std::vector<float> rms_term;  // [tile]: dr r^3 / M
+    std::vector<float> unused;    // h_post, h_res of the recompute [n + n*n]
+    std::vector<double> dh_pre;   // [n]
     TokenCoefficients coefficients;
   };
   std::vector<Scratch> scratch;
+  scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
     float* mine = staging + w * stage;
     scratch.push_back(Scratch{mine, mine + tile * M, mine + tile * (M + D),
                               std::vector<float>(static_cast<size_t>(tile * N)),
                               std::vector<float>(static_cast<size_t>(tile * N)),
-                              std::vector<double>(static_cast<size_t>(tile * N)),
                               std::vector<float>(static_cast<size_t>(tile * n)),
                               std::vector<float>(static_cast<size_t>(tile)),
                               std::vector<float>(static_cast<size_t>(n + n * n)),
@@ -147,8 +147,7 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
         }
         double dr = 0.0;
         s.coefficients.backward(P, r, s.dh_pre.data(), dh_post + token * n, dh_res + token * n * n,
-                                s.dP.data() + t * N, s.dP_wide.data() + t * N, &dr,
-                                dalpha_chunk, dbias_chunk);
+                                s.dP.data() + t * N, &dr, dalpha_chunk, dbias_chunk);
         s.rms_term[t] = static_cast<float>(dr * r * r * r / static_cast<double>(dims.M_full));
       }
 
@@ -207,6 +206,7 @@ void run_partials(const detail::Dims& dims, const X* dlayer_in, const X* x, floa
     std::vector<float> x, dlayer_in;
   };
   std::vector<Scratch> scratch;
+  scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
     scratch.push_back(Scratch{std::vector<float>(kWiden ? static_cast<size_t>(M) : 0),
                               std::vector<float>(kWiden ? static_cast<size_t>(D) : 0)});
@@ -217,7 +217,8 @@ void run_partials(const detail::Dims& dims, const X* dlayer_in, const X* x, floa
     for (int64_t t = task * tile; t < end; ++t) {
       const float* xt = as_f32(x + t * M, M, s.x.data());
       const float* dli = as_f32(dlayer_in + t * D, D, s.dlayer_in.data());
-      for (int64_t k = 0; k < n; ++k) dh_pre[t * n + k] = static_cast<float>(dot(xt + k * D, dli, D));
+      for (int64_t k = 0; k < n; ++k)
+        dh_pre[t * n + k] = static_cast<float>(dot(xt + k * D, dli, D));
     }
   });
 }
@@ -243,19 +244,20 @@ void pre_backward(const Config& config, const detail::Dims& dims, const TensorRe
   run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x, Supplied{}, params, dx, grads);
 }
 
-void pre_backward_partials(const detail::Dims& dims, const TensorRef& dlayer_in,
-                           const TensorRef& x, float* dh_pre) {
+void pre_backward_partials(const detail::Dims& dims, const TensorRef& dlayer_in, const TensorRef& x,
+                           float* dh_pre) {
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
-    run_partials(dims, static_cast<const X*>(dlayer_in.data), static_cast<const X*>(x.data), dh_pre);
+    run_partials(dims, static_cast<const X*>(dlayer_in.data), static_cast<const X*>(x.data),
+                 dh_pre);
   });
 }
 
-void pre_backward_finish(const Config& config, const detail::Dims& dims,
-                         const TensorRef& dlayer_in, const TensorRef& dx_partial,
-                         const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
-                         const TensorRef& x, const float* partials, const Params& params,
-                         const MutableTensorRef& dx, const ParamGrads& grads) {
+void pre_backward_finish(const Config& config, const detail::Dims& dims, const TensorRef& dlayer_in,
+                         const TensorRef& dx_partial, const float* dh_pre, const TensorRef& dh_post,
+                         const TensorRef& dh_res, const TensorRef& x, const float* partials,
+                         const Params& params, const MutableTensorRef& dx,
+                         const ParamGrads& grads) {
   run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x, Supplied{partials, dh_pre},
           params, dx, grads);
 }

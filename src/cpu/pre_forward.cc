@@ -38,11 +38,13 @@ std::vector<PreScratch> make_scratch(const Config& config, const detail::Dims& d
                                      int workers, const float* alpha, const float* bias) {
   constexpr bool kWiden = std::is_same_v<X, bf16>;
   std::vector<PreScratch> scratch;
+  scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
-    scratch.push_back(PreScratch{std::vector<float>(kWiden ? static_cast<size_t>(tile * dims.M) : 0),
-                                 std::vector<float>(static_cast<size_t>(tile * dims.N)),
-                                 std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
-                                 TokenCoefficients(config, alpha, bias)});
+    scratch.push_back(
+        PreScratch{std::vector<float>(kWiden ? static_cast<size_t>(tile * dims.M) : 0),
+                   std::vector<float>(static_cast<size_t>(tile * dims.N)),
+                   std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
+                   TokenCoefficients(config, alpha, bias)});
   }
   return scratch;
 }
@@ -98,10 +100,11 @@ void run_partials(const detail::Dims& dims, const X* x, const ProjectionWeight& 
     std::vector<float> x, P;
   };
   std::vector<Scratch> scratch;
+  scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
-    scratch.push_back(Scratch{
-        std::vector<float>(std::is_same_v<X, bf16> ? static_cast<size_t>(tile * M) : 0),
-        std::vector<float>(static_cast<size_t>(tile * N))});
+    scratch.push_back(
+        Scratch{std::vector<float>(std::is_same_v<X, bf16> ? static_cast<size_t>(tile * M) : 0),
+                std::vector<float>(static_cast<size_t>(tile * N))});
   }
   pool.parallel_for(tiles, workers, [&](int64_t task, int worker) {
     Scratch& s = scratch[static_cast<size_t>(worker)];
@@ -134,7 +137,7 @@ void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef
                  const Params& params, const PreForwardOutputs& outputs) {
   if (dims.T == 0) return;
   const ProjectionWeight weight(static_cast<const float*>(params.norm_weight.data),
-                               static_cast<const float*>(params.phi.data), dims.M, dims.N);
+                                static_cast<const float*>(params.phi.data), dims.M, dims.N);
   run_any(config, dims, x, ProjectionSource{&weight, nullptr},
           static_cast<const float*>(params.alpha.data), static_cast<const float*>(params.bias.data),
           outputs);
@@ -144,7 +147,7 @@ void pre_forward_partials(const detail::Dims& dims, const TensorRef& x,
                           const TensorRef& norm_weight, const TensorRef& phi, float* partials) {
   if (dims.T == 0) return;
   const ProjectionWeight weight(static_cast<const float*>(norm_weight.data),
-                               static_cast<const float*>(phi.data), dims.M, dims.N);
+                                static_cast<const float*>(phi.data), dims.M, dims.N);
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
     run_partials(dims, static_cast<const X*>(x.data), weight, partials);

@@ -17,7 +17,7 @@ namespace mhc::cpu {
 
 namespace {
 
-constexpr int kLanes = 8;
+constexpr int64_t kLanes = 8;
 // Eight f32 lanes as one value (GCC/Clang vector extension): one AVX register in the x86-64-v3
 // and v4 clones, two SSE registers in the baseline one.
 typedef float Lanes8 __attribute__((vector_size(32)));
@@ -28,7 +28,9 @@ typedef float UnalignedLanes8 __attribute__((vector_size(32), aligned(4), may_al
 typedef float Lanes4 __attribute__((vector_size(16)));
 typedef double Wide4 __attribute__((vector_size(32)));
 typedef double UnalignedWide4 __attribute__((vector_size(32), aligned(8), may_alias));
-MHC_INLINE void load(Lanes8* v, const float* p) { *v = *reinterpret_cast<const UnalignedLanes8*>(p); }
+MHC_INLINE void load(Lanes8* v, const float* p) {
+  *v = *reinterpret_cast<const UnalignedLanes8*>(p);
+}
 MHC_INLINE void store(float* p, const Lanes8* v) { *reinterpret_cast<UnalignedLanes8*>(p) = *v; }
 // out[0:8] += v, widened to double, one half at a time (an 8-double vector goes through memory).
 MHC_INLINE void add_wide(double* out, const Lanes8* v) {
@@ -38,7 +40,7 @@ MHC_INLINE void add_wide(double* out, const Lanes8* v) {
   *reinterpret_cast<UnalignedWide4*>(out + 4) += __builtin_convertvector(high, Wide4);
 }
 
-constexpr int64_t kFoldRows = 128;   // rows of W per f32 partial sum of the projection
+constexpr int64_t kFoldRows = 128;  // rows of W per f32 partial sum of the projection
 // Columns of M per block of the input gradient. W^T is stored blocked, [M/256][N][256], so a
 // block's N rows are contiguous: N rows 64 KiB apart would all map to the same L1 sets.
 constexpr int64_t kGradColumns = 256;
@@ -49,26 +51,27 @@ constexpr int64_t kPackColumns = kWeightGradBlock;
 // TB tokens x CB*8 columns of P over rows [m0, m1): acc[t][j] += x[t, m] * W[m, cols].
 template <int TB, int CB>
 MHC_INLINE void project_block(const float* x, int64_t M, const float* rows, int64_t NP, int64_t m0,
-                          int64_t m1, int64_t col, double* wide) {
+                              int64_t m1, int64_t col, double* wide) {
   Lanes8 acc[TB][CB] = {};
   for (int64_t m = m0; m < m1; ++m) {
     Lanes8 w[CB];
-    for (int j = 0; j < CB; ++j) load(&w[j], rows + m * NP + col + j * kLanes);
-    for (int t = 0; t < TB; ++t) {
+    for (int64_t j = 0; j < CB; ++j) load(&w[j], rows + m * NP + col + j * kLanes);
+    for (int64_t t = 0; t < TB; ++t) {
       const float xv = x[t * M + m];
-      for (int j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
+      for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
     }
   }
-  for (int t = 0; t < TB; ++t) {
-    for (int j = 0; j < CB; ++j) add_wide(wide + t * NP + col + j * kLanes, &acc[t][j]);
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t j = 0; j < CB; ++j) add_wide(wide + t * NP + col + j * kLanes, &acc[t][j]);
   }
 }
 
 template <int TB>
 MHC_INLINE void project_tokens(const float* x, int64_t M, const float* rows, int64_t NP, int64_t m0,
-                           int64_t m1, double* wide) {
+                               int64_t m1, double* wide) {
   int64_t col = 0;
-  for (; col + 3 * kLanes <= NP; col += 3 * kLanes) project_block<TB, 3>(x, M, rows, NP, m0, m1, col, wide);
+  for (; col + 3 * kLanes <= NP; col += 3 * kLanes)
+    project_block<TB, 3>(x, M, rows, NP, m0, m1, col, wide);
   if (NP - col == 2 * kLanes) project_block<TB, 2>(x, M, rows, NP, m0, m1, col, wide);
   if (NP - col == kLanes) project_block<TB, 1>(x, M, rows, NP, m0, m1, col, wide);
 }
@@ -79,19 +82,19 @@ template <int TB, int VB>
 MHC_INLINE void input_grad_block(const float* dP, int64_t N, const float* block, int64_t width,
                                  int64_t m0, int64_t M, int64_t m, float* dx) {
   Lanes8 acc[TB][VB];
-  for (int t = 0; t < TB; ++t) {
-    for (int v = 0; v < VB; ++v) load(&acc[t][v], dx + t * M + m + v * kLanes);
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t v = 0; v < VB; ++v) load(&acc[t][v], dx + t * M + m + v * kLanes);
   }
   for (int64_t c = 0; c < N; ++c) {
     Lanes8 w[VB];
-    for (int v = 0; v < VB; ++v) load(&w[v], block + c * width + (m - m0) + v * kLanes);
-    for (int t = 0; t < TB; ++t) {
+    for (int64_t v = 0; v < VB; ++v) load(&w[v], block + c * width + (m - m0) + v * kLanes);
+    for (int64_t t = 0; t < TB; ++t) {
       const float d = dP[t * N + c];
-      for (int v = 0; v < VB; ++v) acc[t][v] += d * w[v];
+      for (int64_t v = 0; v < VB; ++v) acc[t][v] += d * w[v];
     }
   }
-  for (int t = 0; t < TB; ++t) {
-    for (int v = 0; v < VB; ++v) store(dx + t * M + m + v * kLanes, &acc[t][v]);
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t v = 0; v < VB; ++v) store(dx + t * M + m + v * kLanes, &acc[t][v]);
   }
 }
 
@@ -101,10 +104,11 @@ MHC_INLINE void input_grad_tokens(const float* dP, int64_t N, const float* cols,
   const float* block = cols + m0 * N;
   const int64_t width = m1 - m0;
   int64_t m = m0;
-  for (; m + 2 * kLanes <= m1; m += 2 * kLanes) input_grad_block<TB, 2>(dP, N, block, width, m0, M, m, dx);
+  for (; m + 2 * kLanes <= m1; m += 2 * kLanes)
+    input_grad_block<TB, 2>(dP, N, block, width, m0, M, m, dx);
   for (; m + kLanes <= m1; m += kLanes) input_grad_block<TB, 1>(dP, N, block, width, m0, M, m, dx);
   for (; m < m1; ++m) {
-    for (int t = 0; t < TB; ++t) {
+    for (int64_t t = 0; t < TB; ++t) {
       float acc = dx[t * M + m];
       for (int64_t c = 0; c < N; ++c) acc += dP[t * N + c] * block[c * width + (m - m0)];
       dx[t * M + m] = acc;
@@ -121,14 +125,15 @@ MHC_INLINE void weight_grad_block(const float* packed, const float* dP, int64_t 
   Lanes8 acc[CB][VB] = {};
   for (int64_t t = 0; t < tokens; ++t) {
     Lanes8 xv[VB];
-    for (int v = 0; v < VB; ++v) load(&xv[v], packed + t * kPackColumns + v * kLanes);
-    for (int j = 0; j < CB; ++j) {
+    for (int64_t v = 0; v < VB; ++v) load(&xv[v], packed + t * kPackColumns + v * kLanes);
+    for (int64_t j = 0; j < CB; ++j) {
       const float d = dP[t * N + c0 + j];
-      for (int v = 0; v < VB; ++v) acc[j][v] += d * xv[v];
+      for (int64_t v = 0; v < VB; ++v) acc[j][v] += d * xv[v];
     }
   }
-  for (int j = 0; j < CB; ++j) {
-    for (int v = 0; v < VB; ++v) add_wide(block + (c0 + j) * width + offset + v * kLanes, &acc[j][v]);
+  for (int64_t j = 0; j < CB; ++j) {
+    for (int64_t v = 0; v < VB; ++v)
+      add_wide(block + (c0 + j) * width + offset + v * kLanes, &acc[j][v]);
   }
 }
 
@@ -136,15 +141,19 @@ template <int VB>
 MHC_INLINE void weight_grad_columns(const float* packed, const float* dP, int64_t N, int64_t tokens,
                                     int64_t width, int64_t offset, double* block) {
   int64_t c = 0;
-  for (; c + 4 <= N; c += 4) weight_grad_block<4, VB>(packed, dP, N, tokens, c, width, offset, block);
+  for (; c + 4 <= N; c += 4)
+    weight_grad_block<4, VB>(packed, dP, N, tokens, c, width, offset, block);
   for (; c < N; ++c) weight_grad_block<1, VB>(packed, dP, N, tokens, c, width, offset, block);
 }
 
 }  // namespace
 
 ProjectionWeight::ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N)
-    : M_(M), N_(N), NP_((N + kLanes - 1) / kLanes * kLanes),
-      rows_(static_cast<size_t>(M * NP_), 0.0f), cols_(static_cast<size_t>(M * N)) {
+    : M_(M),
+      N_(N),
+      NP_((N + kLanes - 1) / kLanes * kLanes),
+      rows_(static_cast<size_t>(M * NP_), 0.0f),
+      cols_(static_cast<size_t>(M * N)) {
   constexpr int64_t kRows = 1024;
   ThreadPool& pool = ThreadPool::instance();
   pool.parallel_for((M + kRows - 1) / kRows, pool.threads(), [&](int64_t task, int) {
@@ -167,14 +176,16 @@ MHC_CLONES void project(const float* x, int64_t tokens, const ProjectionWeight& 
   for (int64_t m0 = 0; m0 < M; m0 += kFoldRows) {
     const int64_t m1 = std::min(M, m0 + kFoldRows);
     int64_t t = 0;
-    for (; t + 4 <= tokens; t += 4) project_tokens<4>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
+    for (; t + 4 <= tokens; t += 4)
+      project_tokens<4>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
     const int64_t rest = tokens - t;
     if (rest == 3) project_tokens<3>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
     if (rest == 2) project_tokens<2>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
     if (rest == 1) project_tokens<1>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
   }
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t c = 0; c < N; ++c) P[t * N + c] = static_cast<float>(wide[static_cast<size_t>(t * NP + c)]);
+    for (int64_t c = 0; c < N; ++c)
+      P[t * N + c] = static_cast<float>(wide[static_cast<size_t>(t * NP + c)]);
   }
 }
 
@@ -184,7 +195,8 @@ MHC_CLONES void add_projection_grad(const float* dP, int64_t tokens, const Proje
   for (int64_t m0 = 0; m0 < M; m0 += kGradColumns) {
     const int64_t m1 = std::min(M, m0 + kGradColumns);
     int64_t t = 0;
-    for (; t + 4 <= tokens; t += 4) input_grad_tokens<4>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
+    for (; t + 4 <= tokens; t += 4)
+      input_grad_tokens<4>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
     const int64_t rest = tokens - t;
     if (rest == 3) input_grad_tokens<3>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
     if (rest == 2) input_grad_tokens<2>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
@@ -207,7 +219,7 @@ MHC_CLONES void accumulate_weight_grad(const float* x, const float* dP, int64_t 
       }
       float* out = packed.data() + t * kPackColumns;
       if (m1 - m0 == kPackColumns) {
-        for (int v = 0; v < kPackColumns / kLanes; ++v) {
+        for (int64_t v = 0; v < kPackColumns / kLanes; ++v) {
           Lanes8 lanes;
           load(&lanes, row + m0 + v * kLanes);
           store(out + v * kLanes, &lanes);
@@ -228,7 +240,8 @@ MHC_CLONES void accumulate_weight_grad(const float* x, const float* dP, int64_t 
     for (; m < width; ++m) {
       for (int64_t c = 0; c < N; ++c) {
         float acc = 0.0f;
-        for (int64_t t = 0; t < tokens; ++t) acc += dP[t * N + c] * packed[static_cast<size_t>(t * kPackColumns + m)];
+        for (int64_t t = 0; t < tokens; ++t)
+          acc += dP[t * N + c] * packed[static_cast<size_t>(t * kPackColumns + m)];
         block[c * width + m] += acc;
       }
     }

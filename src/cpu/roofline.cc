@@ -122,7 +122,8 @@ double fma_peak_gflops(int threads) {
     sink[static_cast<size_t>(part)] = kernel.run(kIterations, 1.0f + static_cast<float>(part));
   };
   const double seconds = median_seconds(threads, 3, chains);
-  const double flops = 2.0 * kernel.lanes * kernel.chains * static_cast<double>(kIterations) * threads;
+  const double flops =
+      2.0 * kernel.lanes * kernel.chains * static_cast<double>(kIterations) * threads;
   return flops / seconds / 1e9;
 }
 

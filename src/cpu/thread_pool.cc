@@ -90,8 +90,9 @@ void ThreadPool::parallel_for(int64_t count, int max_workers, const Body& body) 
   if (count <= 0) return;
   std::unique_lock<std::mutex> call(call_mutex_, std::try_to_lock);
   const int helpers =
-      call.owns_lock() ? static_cast<int>(std::min<int64_t>({threads_ - 1, max_workers - 1, count - 1}))
-                       : 0;
+      call.owns_lock()
+          ? static_cast<int>(std::min<int64_t>({threads_ - 1, max_workers - 1, count - 1}))
+          : 0;
   if (helpers <= 0) {
     for (int64_t task = 0; task < count; ++task) body(task, 0);
     return;

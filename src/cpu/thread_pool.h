@@ -44,8 +44,8 @@ class ThreadPool {
   int threads_ = 1;
   uint64_t generation_ = 0;
   bool stopping_ = false;
-  int participants_ = 0;   // workers (besides the caller) taking part in the current job
-  int active_ = 0;         // participants still running the current job
+  int participants_ = 0;  // workers (besides the caller) taking part in the current job
+  int active_ = 0;        // participants still running the current job
   const Body* body_ = nullptr;
   int64_t count_ = 0;
   std::atomic<int64_t> next_{0};

@@ -1,11 +1,9 @@
-// Shared pieces of the CPU kernels: tile sizes, f32 staging of bf16 activations, and the folded
-// projection weight.
+// Shared pieces of the CPU kernels: tile sizes and f32 staging of bf16 activations.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "mhc/tensor.h"
 #include "vector_math.h"
@@ -40,9 +38,5 @@ inline float* f32_target(float* dst, float*) { return dst; }
 inline float* f32_target(bf16*, float* scratch) { return scratch; }
 inline void store_from(const float*, float*, int64_t) {}
 inline void store_from(const float* src, bf16* dst, int64_t count) { narrow(src, dst, count); }
-
-// wt[c*M + m] = norm_weight[m] * phi[m*N + c]: the norm weight folded into phi, transposed so
-// the projection and its input gradient walk M contiguously.
-std::vector<float> fold_weight(const float* norm_weight, const float* phi, int64_t M, int64_t N);
 
 }  // namespace mhc::cpu

@@ -28,17 +28,4 @@ void axpy(float a, const float* x, float* y, int64_t count);  // y += a*x
 void weighted_rows(const float* first, float first_weight, const float* rows, int64_t count,
                    const float* weights, int64_t weight_stride, int64_t D, float* out);
 
-// P[t*N + c] = sum_m x[t*M + m] * wt[c*M + m] for t < tokens, c < N (wt is the [N, M] weight).
-void project(const float* x, int64_t tokens, int64_t M, const float* wt, int64_t N, float* P);
-
-// G[c*M + m] += sum_t dP[t*N + c] * x[t*M + m], tokens summed in order, in double: a parameter
-// gradient sums T signed terms, and any f32 rounding of them (of dP, or of partial sums) leaves
-// ~1e-5 relative error when the sum cancels. Costs about a third more time in pre_backward.
-void accumulate_weight_grad(const float* x, const double* dP, int64_t tokens, int64_t M, int64_t N,
-                            double* G);
-
-// dx[t*M + m] += sum_c dP[t*N + c] * wt[c*M + m], columns summed in order.
-void add_projection_grad(const float* dP, const float* wt, int64_t tokens, int64_t M, int64_t N,
-                         float* dx);
-
 }  // namespace mhc::cpu

@@ -52,11 +52,13 @@ mhc::Config make_config(const mhc::TensorRef& x, int64_t n, int64_t mix, int64_t
                         float sinkhorn_eps, float rms_eps, float pre_eps, float post_scale,
                         int64_t tensor_parallel) {
   if (x.rank != 3) throw mhc::Error(kOp, "x", "expected rank 3 [T, n, D], got " + x.shape_string());
-  if (mix != 0 && mix != 1) throw mhc::Error(kOp, "mix", "expected 0 (sinkhorn) or 1 (permutations)");
+  if (mix != 0 && mix != 1)
+    throw mhc::Error(kOp, "mix", "expected 0 (sinkhorn) or 1 (permutations)");
   constexpr int64_t kMaxSlices = int64_t{1} << 20;
   if (tensor_parallel < 1 || tensor_parallel > kMaxSlices) {
-    throw mhc::Error(kOp, "tensor_parallel",
-                     "expected 1 <= tensor_parallel <= 2^20, got " + std::to_string(tensor_parallel));
+    throw mhc::Error(
+        kOp, "tensor_parallel",
+        "expected 1 <= tensor_parallel <= 2^20, got " + std::to_string(tensor_parallel));
   }
   mhc::Config config;
   config.n = n;
@@ -107,7 +109,7 @@ auto handler_binding(Binding binding) {
   }
 }
 
-#define MHC_CONFIG_PARAMS                                                                      \
+#define MHC_CONFIG_PARAMS                                                                  \
   int64_t n, int64_t mix, int64_t iters, float sinkhorn_eps, float rms_eps, float pre_eps, \
       float post_scale, int64_t tensor_parallel
 #define MHC_CONFIG_ARGS n, mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale, tensor_parallel
@@ -119,11 +121,11 @@ ffi::Error PreForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::Any
                           MHC_CONFIG_PARAMS) {
   return guarded([&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward(make_config(xv, MHC_CONFIG_ARGS), xv,
-                     {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"),
-                      in(bias, "bias")},
-                     {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
-                      out(h_res, "h_res")});
+    mhc::pre_forward(
+        make_config(xv, MHC_CONFIG_ARGS), xv,
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
+         out(h_res, "h_res")});
   });
 }
 
@@ -141,8 +143,8 @@ ffi::Error PostBackwardImpl(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::AnyBuffer l
                             ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
                             ffi::Result<ffi::AnyBuffer> dx_partial,
                             ffi::Result<ffi::AnyBuffer> dlayer_out,
-                            ffi::Result<ffi::AnyBuffer> dh_post,
-                            ffi::Result<ffi::AnyBuffer> dh_res, MHC_CONFIG_PARAMS) {
+                            ffi::Result<ffi::AnyBuffer> dh_post, ffi::Result<ffi::AnyBuffer> dh_res,
+                            MHC_CONFIG_PARAMS) {
   return guarded([&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::post_backward(make_config(xv, MHC_CONFIG_ARGS), in(g, "g"), xv, in(layer_out, "layer_out"),
@@ -161,14 +163,13 @@ ffi::Error PreBackwardImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
                            ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
   return guarded([&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
-                      in(dx_partial, "dx_partial"), in(dh_post, "dh_post"), in(dh_res, "dh_res"),
-                      xv,
-                      {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"),
-                       in(bias, "bias")},
-                      out(dx, "dx"),
-                      {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"),
-                       out(dalpha, "dalpha"), out(dbias, "dbias")});
+    mhc::pre_backward(
+        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
+        in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        out(dx, "dx"),
+        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+         out(dbias, "dbias")});
   });
 }
 
@@ -204,27 +205,23 @@ ffi::Error PreBackwardPartialsImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
   });
 }
 
-ffi::Error PreBackwardFinishImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
-                                 ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post,
-                                 ffi::AnyBuffer dh_res, ffi::AnyBuffer x, ffi::AnyBuffer partials,
-                                 ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-                                 ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-                                 ffi::Result<ffi::AnyBuffer> dx,
-                                 ffi::Result<ffi::AnyBuffer> dnorm_weight,
-                                 ffi::Result<ffi::AnyBuffer> dphi,
-                                 ffi::Result<ffi::AnyBuffer> dalpha,
-                                 ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+ffi::Error PreBackwardFinishImpl(
+    ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial, ffi::AnyBuffer dh_pre,
+    ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x, ffi::AnyBuffer partials,
+    ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+    ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dnorm_weight,
+    ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
+    ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
   return guarded([&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward_finish(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
-                             in(dx_partial, "dx_partial"), in(dh_pre, "dh_pre"),
-                             in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-                             in(partials, "partials"),
-                             {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"),
-                              in(bias, "bias")},
-                             out(dx, "dx"),
-                             {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"),
-                              out(dalpha, "dalpha"), out(dbias, "dbias")});
+    mhc::pre_backward_finish(
+        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
+        in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
+        in(partials, "partials"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        out(dx, "dx"),
+        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+         out(dbias, "dbias")});
   });
 }
 
@@ -273,7 +270,8 @@ NB_MODULE(_mhc_cpu, module) {
     table["mhc_pre_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreBackward));
     table["mhc_pre_forward_partials"] =
         nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardPartials));
-    table["mhc_pre_forward_finish"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardFinish));
+    table["mhc_pre_forward_finish"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardFinish));
     table["mhc_pre_backward_partials"] =
         nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardPartials));
     table["mhc_pre_backward_finish"] =
@@ -283,8 +281,9 @@ NB_MODULE(_mhc_cpu, module) {
   // The library's thread count and the roofline ceilings, for mhc.bench and users' own timing.
   module.def("set_num_threads", &mhc::set_num_threads, nanobind::arg("threads"));
   module.def("num_threads", &mhc::num_threads);
-  module.def("copy_bandwidth_gbs", &mhc::copy_bandwidth_gbs, nanobind::arg("bytes") = int64_t{256} << 20,
-             nanobind::arg("threads") = 0, nanobind::arg("repeats") = 5);
+  module.def("copy_bandwidth_gbs", &mhc::copy_bandwidth_gbs,
+             nanobind::arg("bytes") = int64_t{256} << 20, nanobind::arg("threads") = 0,
+             nanobind::arg("repeats") = 5);
   module.def("fma_peak_gflops", &mhc::fma_peak_gflops, nanobind::arg("threads") = 0);
   module.def("widest_simd", &mhc::widest_simd);
 }

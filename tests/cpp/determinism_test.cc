@@ -15,7 +15,8 @@ struct Outputs {
     for (size_t k = 0; k < tensors.size(); ++k) {
       const HostTensor& a = tensors[k];
       const HostTensor& b = other.tensors[k];
-      if (a.bytes() != b.bytes() || std::memcmp(a.data(), b.data(), static_cast<size_t>(a.bytes())) != 0) {
+      if (a.bytes() != b.bytes() ||
+          std::memcmp(a.data(), b.data(), static_cast<size_t>(a.bytes())) != 0) {
         return false;
       }
     }
@@ -39,10 +40,10 @@ Outputs run_all(const Config& config, int64_t T, DType dtype, uint64_t seed) {
   HostTensor g = random(dtype, {T, n, D});
   HostTensor dlayer_in = random(dtype, {T, D});
   Outputs o;
-  o.tensors = {HostTensor(dtype, {T, D}),     HostTensor(DType::f32, {T, n}),
-               HostTensor(DType::f32, {T, n}), HostTensor(DType::f32, {T, n, n}),
-               HostTensor(dtype, {T, n, D}),  HostTensor(dtype, {T, n, D}),
-               HostTensor(dtype, {T, D}),     HostTensor(DType::f32, {T, n}),
+  o.tensors = {HostTensor(dtype, {T, D}),         HostTensor(DType::f32, {T, n}),
+               HostTensor(DType::f32, {T, n}),    HostTensor(DType::f32, {T, n, n}),
+               HostTensor(dtype, {T, n, D}),      HostTensor(dtype, {T, n, D}),
+               HostTensor(dtype, {T, D}),         HostTensor(DType::f32, {T, n}),
                HostTensor(DType::f32, {T, n, n}), HostTensor(dtype, {T, n, D})};
   auto& t = o.tensors;
   pre_forward(config, x.ref(), host_params.view(),

@@ -53,7 +53,9 @@ class BadInput : public testing::Test {
     pre_forward(config, x.ref(), params.view(),
                 PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   }
-  void post() { post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut()); }
+  void post() {
+    post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
+  }
 
   static constexpr int64_t T = 3;
   Config config;
@@ -79,7 +81,12 @@ TEST_F(BadInput, ConfigFields) {
   const Bad cases[] = {
       {"config.n", [](Config& c) { c.n = 0; }, "1 <= n <= 16"},
       {"config.n", [](Config& c) { c.n = 17; }, "got 17"},
-      {"config.n", [](Config& c) { c.n = 7; c.mix = Mix::permutations; }, "1 <= n <= 6"},
+      {"config.n",
+       [](Config& c) {
+         c.n = 7;
+         c.mix = Mix::permutations;
+       },
+       "1 <= n <= 6"},
       {"config.dim", [](Config& c) { c.dim = 0; }, "1 <= D"},
       {"config.dim", [](Config& c) { c.dim = -5; }, "got -5"},
       {"config.sinkhorn_iters", [](Config& c) { c.sinkhorn_iters = 0; }, "1 <= sinkhorn_iters"},
@@ -94,10 +101,12 @@ TEST_F(BadInput, ConfigFields) {
   for (const Bad& bad : cases) {
     Config broken = config;
     bad.mutate(broken);
-    expect_error([&] {
-      pre_forward(broken, x.ref(), params.view(),
-                  PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-    }, op, bad.field, bad.fragment);
+    expect_error(
+        [&] {
+          pre_forward(broken, x.ref(), params.view(),
+                      PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+        },
+        op, bad.field, bad.fragment);
   }
 }
 
@@ -105,76 +114,96 @@ TEST_F(BadInput, ShapesDtypesAndNulls) {
   const std::string op = "mhc::pre_forward";
   HostTensor wrong_streams(DType::f32, {T, 3, 6});
   layer_in.poison();
-  expect_error([&] {
-    pre_forward(config, wrong_streams.ref(), params.view(),
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, op, "x", "expected shape [T, 4, 6]");
+  expect_error(
+      [&] {
+        pre_forward(config, wrong_streams.ref(), params.view(),
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      op, "x", "expected shape [T, 4, 6]");
   EXPECT_TRUE(std::isnan(layer_in.to_double()[0])) << "an output was written before the error";
 
   TensorRef flat = x.ref();
   flat.rank = 2;
-  expect_error([&] {
-    pre_forward(config, flat, params.view(),
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, op, "x", "got [3, 4]");
+  expect_error(
+      [&] {
+        pre_forward(config, flat, params.view(),
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      op, "x", "got [3, 4]");
 
   HostTensor half_layer_in(DType::bf16, {T, 6});
-  expect_error([&] {
-    pre_forward(config, x.ref(), params.view(),
-                PreForwardOutputs{half_layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, op, "layer_in", "expected dtype f32, got bf16");
+  expect_error(
+      [&] {
+        pre_forward(config, x.ref(), params.view(),
+                    PreForwardOutputs{half_layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      op, "layer_in", "expected dtype f32, got bf16");
 
   HostTensor half_h_res(DType::bf16, {T, 4, 4});
-  expect_error([&] {
-    pre_forward(config, x.ref(), params.view(),
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), half_h_res.mut()});
-  }, op, "h_res", "expected dtype f32");
+  expect_error(
+      [&] {
+        pre_forward(config, x.ref(), params.view(),
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), half_h_res.mut()});
+      },
+      op, "h_res", "expected dtype f32");
 
   Params no_phi = params.view();
   no_phi.phi.data = nullptr;
-  expect_error([&] {
-    pre_forward(config, x.ref(), no_phi,
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, op, "params.phi", "non-null");
+  expect_error(
+      [&] {
+        pre_forward(config, x.ref(), no_phi,
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      op, "params.phi", "non-null");
 
   HostTensor short_bias(DType::f32, {projection_width(config) - 1});
   Params bad_bias = params.view();
   bad_bias.bias = short_bias.ref();
-  expect_error([&] {
-    pre_forward(config, x.ref(), bad_bias,
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, op, "params.bias", "expected shape [24]");
+  expect_error(
+      [&] {
+        pre_forward(config, x.ref(), bad_bias,
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      op, "params.bias", "expected shape [24]");
 
   MutableTensorRef no_h_pre = h_pre.mut();
   no_h_pre.data = nullptr;
-  expect_error([&] {
-    pre_forward(config, x.ref(), params.view(),
-                PreForwardOutputs{layer_in.mut(), no_h_pre, h_post.mut(), h_res.mut()});
-  }, op, "h_pre", "non-null");
+  expect_error(
+      [&] {
+        pre_forward(config, x.ref(), params.view(),
+                    PreForwardOutputs{layer_in.mut(), no_h_pre, h_post.mut(), h_res.mut()});
+      },
+      op, "h_pre", "non-null");
 
   TensorRef negative = x.ref();
   negative.shape[0] = -1;
-  expect_error([&] {
-    pre_forward(config, negative, params.view(),
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, op, "x", "T >= 0");
+  expect_error(
+      [&] {
+        pre_forward(config, negative, params.view(),
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      op, "x", "T >= 0");
 
   TensorRef unknown = x.ref();
   unknown.dtype = static_cast<DType>(7);
-  expect_error([&] {
-    pre_forward(config, unknown, params.view(),
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, op, "x", "unknown dtype");
+  expect_error(
+      [&] {
+        pre_forward(config, unknown, params.view(),
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      op, "x", "unknown dtype");
 }
 
 TEST_F(BadInput, SizesThatOverflow) {
   TensorRef huge = x.ref();
   huge.shape[0] = int64_t{1} << 60;
   HostTensor li(DType::f32, {0, 6});
-  expect_error([&] {
-    pre_forward(config, huge, params.view(),
-                PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  }, "mhc::pre_forward", "x", "overflows");
+  expect_error(
+      [&] {
+        pre_forward(config, huge, params.view(),
+                    PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+      },
+      "mhc::pre_forward", "x", "overflows");
   Config wide = config;
   wide.dim = int64_t{1} << 33;
   expect_error([&] { pre_forward(wide, x.ref(), params.view(), {}); }, "mhc::pre_forward",
@@ -182,50 +211,64 @@ TEST_F(BadInput, SizesThatOverflow) {
 }
 
 TEST_F(BadInput, OutputsMustNotAlias) {
-  expect_error([&] {
-    post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
-                 MutableTensorRef(const_cast<void*>(x.data()), DType::f32, {T, 4, 6}));
-  }, "mhc::post_forward", "out", "overlaps x");
+  expect_error(
+      [&] {
+        post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+                     MutableTensorRef(const_cast<void*>(x.data()), DType::f32, {T, 4, 6}));
+      },
+      "mhc::post_forward", "out", "overlaps x");
   // dh_post placed inside dh_res's buffer: two outputs overlapping each other.
   HostTensor dh_res(DType::f32, {T, 4, 4});
   const MutableTensorRef inside(static_cast<float*>(dh_res.mut().data) + 4, {T, 4});
-  expect_error([&] {
-    post_backward(config, out.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
-                  PostBackwardOutputs{dx.mut(), layer_in.mut(), inside, dh_res.mut()});
-  }, "mhc::post_backward", "dh_post", "overlaps dh_res");
+  expect_error(
+      [&] {
+        post_backward(config, out.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+                      PostBackwardOutputs{dx.mut(), layer_in.mut(), inside, dh_res.mut()});
+      },
+      "mhc::post_backward", "dh_post", "overlaps dh_res");
   // An output over an input parameter.
-  expect_error([&] {
-    pre_backward(config, layer_out.ref(), out.ref(), h_post.ref(), h_res.ref(), x.ref(),
-                 params.view(), dx.mut(),
-                 ParamGrads{grads.norm_weight.mut(), grads.phi.mut(), grads.alpha.mut(),
-                            MutableTensorRef(const_cast<void*>(params.bias.data()), DType::f32,
-                                             {projection_width(config)})});
-  }, "mhc::pre_backward", "grads.bias", "overlaps params.bias");
+  expect_error(
+      [&] {
+        pre_backward(config, layer_out.ref(), out.ref(), h_post.ref(), h_res.ref(), x.ref(),
+                     params.view(), dx.mut(),
+                     ParamGrads{grads.norm_weight.mut(), grads.phi.mut(), grads.alpha.mut(),
+                                MutableTensorRef(const_cast<void*>(params.bias.data()), DType::f32,
+                                                 {projection_width(config)})});
+      },
+      "mhc::pre_backward", "grads.bias", "overlaps params.bias");
 }
 
 TEST_F(BadInput, PostAndBackwardArguments) {
   HostTensor half_layer_out(DType::bf16, {T, 6});
-  expect_error([&] {
-    post_backward(config, out.ref(), x.ref(), half_layer_out.ref(), h_post.ref(), h_res.ref(),
-                  PostBackwardOutputs{dx.mut(), layer_in.mut(), h_post.mut(), h_res.mut()});
-  }, "mhc::post_backward", "dlayer_out", "expected dtype bf16, got f32");
+  expect_error(
+      [&] {
+        post_backward(config, out.ref(), x.ref(), half_layer_out.ref(), h_post.ref(), h_res.ref(),
+                      PostBackwardOutputs{dx.mut(), layer_in.mut(), h_post.mut(), h_res.mut()});
+      },
+      "mhc::post_backward", "dlayer_out", "expected dtype bf16, got f32");
   HostTensor half_g(DType::bf16, {T, 4, 6});
-  expect_error([&] {
-    post_backward(config, half_g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
-                  PostBackwardOutputs{dx.mut(), layer_in.mut(), h_pre.mut(), h_res.mut()});
-  }, "mhc::post_backward", "g", "expected dtype f32, got bf16");
+  expect_error(
+      [&] {
+        post_backward(config, half_g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+                      PostBackwardOutputs{dx.mut(), layer_in.mut(), h_pre.mut(), h_res.mut()});
+      },
+      "mhc::post_backward", "g", "expected dtype f32, got bf16");
   HostTensor short_dli(DType::f32, {T - 1, 6});
   HostTensor dxp(DType::f32, {T, 4, 6}), dhp(DType::f32, {T, 4}), dhr(DType::f32, {T, 4, 4});
-  expect_error([&] {
-    pre_backward(config, short_dli.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(), params.view(),
-                 dx.mut(), grads.view());
-  }, "mhc::pre_backward", "dlayer_in", "expected shape [3, 6], got [2, 6]");
+  expect_error(
+      [&] {
+        pre_backward(config, short_dli.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(),
+                     params.view(), dx.mut(), grads.view());
+      },
+      "mhc::pre_backward", "dlayer_in", "expected shape [3, 6], got [2, 6]");
   ParamGrads no_dalpha = grads.view();
   no_dalpha.alpha = MutableTensorRef();
-  expect_error([&] {
-    pre_backward(config, layer_out.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(), params.view(),
-                 dx.mut(), no_dalpha);
-  }, "mhc::pre_backward", "grads.alpha", "expected shape [3]");
+  expect_error(
+      [&] {
+        pre_backward(config, layer_out.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(),
+                     params.view(), dx.mut(), no_dalpha);
+      },
+      "mhc::pre_backward", "grads.alpha", "expected shape [3]");
 }
 
 TEST_F(BadInput, TensorRefRankLimit) {

@@ -31,7 +31,8 @@ struct Case {
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
   return std::string(to_string(c.mix)) + "_n" + std::to_string(c.n) + "_D" + std::to_string(c.D) +
-         "_T" + std::to_string(c.T) + "_" + to_string(c.x_dtype) + "_" + to_string(c.layer_out_dtype);
+         "_T" + std::to_string(c.T) + "_" + to_string(c.x_dtype) + "_" +
+         to_string(c.layer_out_dtype);
 }
 
 std::vector<Case> all_cases() {
@@ -41,7 +42,8 @@ std::vector<Case> all_cases() {
       if (mix == Mix::permutations && n > kMaxPermutationStreams) continue;
       for (int64_t D : {1, 7, 130, 1024}) {
         for (int64_t T : {0, 1, 5, 257}) {
-          for (DType dtype : {DType::f32, DType::bf16}) cases.push_back({n, D, T, mix, dtype, dtype});
+          for (DType dtype : {DType::f32, DType::bf16})
+            cases.push_back({n, D, T, mix, dtype, dtype});
         }
       }
     }
@@ -87,7 +89,8 @@ class KernelsVsReference : public testing::TestWithParam<Case> {
     return result;
   }
   reference::Params perturb(const reference::Params& p) {
-    return reference::Params{perturb(p.norm_weight), perturb(p.phi), perturb(p.alpha), perturb(p.bias)};
+    return reference::Params{perturb(p.norm_weight), perturb(p.phi), perturb(p.alpha),
+                             perturb(p.bias)};
   }
 
   // `noisy` is one reference run on perturbed inputs; `resample` reruns it with fresh
@@ -106,8 +109,9 @@ class KernelsVsReference : public testing::TestWithParam<Case> {
     const bool within_conditioning = absolute <= 32.0 * noise;
     EXPECT_TRUE(error <= tol || within_conditioning)
         << name << ": relative error " << error << " > " << tol << " and absolute error "
-        << absolute << " > 32 x rounding spread " << noise << " (norm " << std::sqrt(dot(want, want))
-        << "; " << describe(config, T, GetParam().x_dtype) << ", seed " << seed << ")";
+        << absolute << " > 32 x rounding spread " << noise << " (norm "
+        << std::sqrt(dot(want, want)) << "; " << describe(config, T, GetParam().x_dtype)
+        << ", seed " << seed << ")";
   }
   static double dot(const Vec& a, const Vec& b) {
     double total = 0.0;
@@ -140,14 +144,23 @@ TEST_P(KernelsVsReference, PreForward) {
   pre_forward(config, x.ref(), host_params.view(),
               PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   const reference::PreForward want = reference::pre_forward(config, x.to_double(), params);
-  auto rerun = [&] { return reference::pre_forward(config, perturb(x.to_double()), perturb(params)); };
+  auto rerun = [&] {
+    return reference::pre_forward(config, perturb(x.to_double()), perturb(params));
+  };
   const reference::PreForward noisy = rerun();
   // Coefficients are f32 even for bf16 activations: only the inputs were rounded.
   const double coefficient_tolerance = 1e-5;
-  expect_close("layer_in", layer_in, want.layer_in, noisy.layer_in, [&] { return rerun().layer_in; });
-  expect_close("h_pre", h_pre, want.h_pre, noisy.h_pre, [&] { return rerun().h_pre; }, coefficient_tolerance);
-  expect_close("h_post", h_post, want.h_post, noisy.h_post, [&] { return rerun().h_post; }, coefficient_tolerance);
-  expect_close("h_res", h_res, want.h_res, noisy.h_res, [&] { return rerun().h_res; }, coefficient_tolerance);
+  expect_close("layer_in", layer_in, want.layer_in, noisy.layer_in,
+               [&] { return rerun().layer_in; });
+  expect_close(
+      "h_pre", h_pre, want.h_pre, noisy.h_pre, [&] { return rerun().h_pre; },
+      coefficient_tolerance);
+  expect_close(
+      "h_post", h_post, want.h_post, noisy.h_post, [&] { return rerun().h_post; },
+      coefficient_tolerance);
+  expect_close(
+      "h_res", h_res, want.h_res, noisy.h_res, [&] { return rerun().h_res; },
+      coefficient_tolerance);
 }
 
 TEST_P(KernelsVsReference, PostForward) {
@@ -181,8 +194,9 @@ TEST_P(KernelsVsReference, PostBackward) {
   HostTensor dx_partial(c.x_dtype, {T, n, D}), dlayer_out(c.layer_out_dtype, {T, D}),
       dh_post(DType::f32, {T, n}), dh_res(DType::f32, {T, n, n});
   for (HostTensor* out : {&dx_partial, &dlayer_out, &dh_post, &dh_res}) out->poison();
-  post_backward(config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
-                PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
+  post_backward(
+      config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+      PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
   const reference::PostBackward want =
       reference::post_backward(config, g.to_double(), x.to_double(), layer_out.to_double(),
                                h_post.to_double(), h_res.to_double());
@@ -192,8 +206,10 @@ TEST_P(KernelsVsReference, PostBackward) {
                                     perturb(h_res.to_double()));
   };
   const reference::PostBackward noisy = rerun();
-  expect_close("dx_partial", dx_partial, want.dx_partial, noisy.dx_partial, [&] { return rerun().dx_partial; });
-  expect_close("dlayer_out", dlayer_out, want.dlayer_out, noisy.dlayer_out, [&] { return rerun().dlayer_out; });
+  expect_close("dx_partial", dx_partial, want.dx_partial, noisy.dx_partial,
+               [&] { return rerun().dx_partial; });
+  expect_close("dlayer_out", dlayer_out, want.dlayer_out, noisy.dlayer_out,
+               [&] { return rerun().dlayer_out; });
   expect_close("dh_post", dh_post, want.dh_post, noisy.dh_post, [&] { return rerun().dh_post; });
   expect_close("dh_res", dh_res, want.dh_res, noisy.dh_res, [&] { return rerun().dh_res; });
 }
@@ -217,17 +233,21 @@ TEST_P(KernelsVsReference, PreBackward) {
       reference::pre_backward(config, dlayer_in.to_double(), dx_partial.to_double(),
                               dh_post.to_double(), dh_res.to_double(), x.to_double(), params);
   auto rerun = [&] {
-    return reference::pre_backward(config, perturb(dlayer_in.to_double()), perturb(dx_partial.to_double()),
-                                   perturb(dh_post.to_double()), perturb(dh_res.to_double()),
-                                   perturb(x.to_double()), perturb(params));
+    return reference::pre_backward(config, perturb(dlayer_in.to_double()),
+                                   perturb(dx_partial.to_double()), perturb(dh_post.to_double()),
+                                   perturb(dh_res.to_double()), perturb(x.to_double()),
+                                   perturb(params));
   };
   const reference::PreBackward noisy = rerun();
   expect_close("dx", dx, want.dx, noisy.dx, [&] { return rerun().dx; });
   expect_close("dnorm_weight", grads.norm_weight, want.grads.norm_weight, noisy.grads.norm_weight,
                [&] { return rerun().grads.norm_weight; });
-  expect_close("dphi", grads.phi, want.grads.phi, noisy.grads.phi, [&] { return rerun().grads.phi; });
-  expect_close("dalpha", grads.alpha, want.grads.alpha, noisy.grads.alpha, [&] { return rerun().grads.alpha; });
-  expect_close("dbias", grads.bias, want.grads.bias, noisy.grads.bias, [&] { return rerun().grads.bias; });
+  expect_close("dphi", grads.phi, want.grads.phi, noisy.grads.phi,
+               [&] { return rerun().grads.phi; });
+  expect_close("dalpha", grads.alpha, want.grads.alpha, noisy.grads.alpha,
+               [&] { return rerun().grads.alpha; });
+  expect_close("dbias", grads.bias, want.grads.bias, noisy.grads.bias,
+               [&] { return rerun().grads.bias; });
 }
 
 // The four kernels chained as a framework would: the dx_partial, dh_post and dh_res of
@@ -249,8 +269,9 @@ TEST_P(WholeSublayerVsReference, ForwardAndBackward) {
   HostTensor g = activation(c.x_dtype, {T, n, D});
   HostTensor dx_partial(c.x_dtype, {T, n, D}), dlayer_out(c.layer_out_dtype, {T, D}),
       dh_post(DType::f32, {T, n}), dh_res(DType::f32, {T, n, n});
-  post_backward(config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
-                PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
+  post_backward(
+      config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+      PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
   HostTensor dlayer_in = activation(c.x_dtype, {T, D});
   HostTensor dx(c.x_dtype, {T, n, D});
   HostGrads grads(config);
@@ -264,12 +285,13 @@ TEST_P(WholeSublayerVsReference, ForwardAndBackward) {
   auto chain = [&](const Vec& xd, const reference::Params& p, const Vec& lo, const Vec& gd,
                    const Vec& dli) {
     const reference::PreForward f = reference::pre_forward(config, xd, p);
-    const reference::PostBackward pb = reference::post_backward(config, gd, xd, lo, f.h_post, f.h_res);
+    const reference::PostBackward pb =
+        reference::post_backward(config, gd, xd, lo, f.h_post, f.h_res);
     return Chain{reference::post_forward(config, xd, lo, f.h_post, f.h_res), pb.dlayer_out,
                  reference::pre_backward(config, dli, pb.dx_partial, pb.dh_post, pb.dh_res, xd, p)};
   };
-  const Chain want = chain(x.to_double(), params, layer_out.to_double(), g.to_double(),
-                           dlayer_in.to_double());
+  const Chain want =
+      chain(x.to_double(), params, layer_out.to_double(), g.to_double(), dlayer_in.to_double());
   auto rerun = [&] {
     return chain(perturb(x.to_double()), perturb(params), perturb(layer_out.to_double()),
                  perturb(g.to_double()), perturb(dlayer_in.to_double()));
@@ -277,10 +299,12 @@ TEST_P(WholeSublayerVsReference, ForwardAndBackward) {
   const Chain noisy = rerun();
   // bf16 rounding of the intermediate dx_partial adds one more rounding: same tolerance table.
   expect_close("out", out, want.out, noisy.out, [&] { return rerun().out; });
-  expect_close("dlayer_out", dlayer_out, want.dlayer_out, noisy.dlayer_out, [&] { return rerun().dlayer_out; });
+  expect_close("dlayer_out", dlayer_out, want.dlayer_out, noisy.dlayer_out,
+               [&] { return rerun().dlayer_out; });
   expect_close("dx", dx, want.backward.dx, noisy.backward.dx, [&] { return rerun().backward.dx; });
   expect_close("dnorm_weight", grads.norm_weight, want.backward.grads.norm_weight,
-               noisy.backward.grads.norm_weight, [&] { return rerun().backward.grads.norm_weight; });
+               noisy.backward.grads.norm_weight,
+               [&] { return rerun().backward.grads.norm_weight; });
   expect_close("dphi", grads.phi, want.backward.grads.phi, noisy.backward.grads.phi,
                [&] { return rerun().backward.grads.phi; });
   expect_close("dalpha", grads.alpha, want.backward.grads.alpha, noisy.backward.grads.alpha,

@@ -62,7 +62,8 @@ TEST_P(SinkhornColumns, SumToOne) {
           << reference_column << " (seed " << seed << ")";
       if (config.sinkhorn_iters == 20) {
         EXPECT_TRUE(std::fabs(column - 1.0) <= 1e-5)
-            << "token " << t << " column " << j << " sums to " << column << " (seed " << seed << ")";
+            << "token " << t << " column " << j << " sums to " << column << " (seed " << seed
+            << ")";
       }
     }
   }

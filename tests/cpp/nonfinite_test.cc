@@ -66,9 +66,10 @@ TEST_P(NonFinite, InActivationsStaysInItsToken) {
   HostParams host_params(config, params);
   HostTensor x = random({kT, kN, kD});
   poison_token(x, kN * kD);
-  HostTensor layer_in(DType::f32, {kT, kD}), h_pre(DType::f32, {kT, kN}), h_post(DType::f32, {kT, kN}),
-      h_res(DType::f32, {kT, kN, kN});
-  pre_forward(config, x.ref(), host_params.view(), {layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+  HostTensor layer_in(DType::f32, {kT, kD}), h_pre(DType::f32, {kT, kN}),
+      h_post(DType::f32, {kT, kN}), h_res(DType::f32, {kT, kN, kN});
+  pre_forward(config, x.ref(), host_params.view(),
+              {layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   expect_only_token("layer_in", layer_in, kD, value);
   expect_only_token("h_res", h_res, kN * kN, value);
 
@@ -84,8 +85,8 @@ TEST_P(NonFinite, InActivationsStaysInItsToken) {
   poison_token(g, kN * kD);
   HostTensor dxp(DType::f32, {kT, kN, kD}), dlo(DType::f32, {kT, kD}), dhp(DType::f32, {kT, kN}),
       dhr(DType::f32, {kT, kN, kN});
-  post_backward(config, g.ref(), clean_x.ref(), random({kT, kD}).ref(), good_post.ref(), good_res.ref(),
-                {dxp.mut(), dlo.mut(), dhp.mut(), dhr.mut()});
+  post_backward(config, g.ref(), clean_x.ref(), random({kT, kD}).ref(), good_post.ref(),
+                good_res.ref(), {dxp.mut(), dlo.mut(), dhp.mut(), dhr.mut()});
   expect_only_token("dx_partial", dxp, kN * kD, value);
   expect_only_token("dlayer_out", dlo, kD, value);
   expect_only_token("dh_res", dhr, kN * kN, value);
@@ -96,10 +97,12 @@ TEST_P(NonFinite, InActivationsStaysInItsToken) {
   HostTensor dx(DType::f32, {kT, kN, kD});
   HostGrads grads(config);
   pre_backward(config, dli.ref(), random({kT, kN, kD}).ref(), random({kT, kN}).ref(),
-               random({kT, kN, kN}).ref(), clean_x.ref(), host_params.view(), dx.mut(), grads.view());
+               random({kT, kN, kN}).ref(), clean_x.ref(), host_params.view(), dx.mut(),
+               grads.view());
   expect_only_token("dx", dx, kN * kD, value);
   const Vec dphi = grads.phi.to_double();
-  EXPECT_TRUE(any_nonfinite(dphi, 0, static_cast<int64_t>(dphi.size()))) << "dphi did not see " << value;
+  EXPECT_TRUE(any_nonfinite(dphi, 0, static_cast<int64_t>(dphi.size())))
+      << "dphi did not see " << value;
 }
 
 // A NaN parameter reaches every token. An infinite one follows IEEE arithmetic: the pre logit
@@ -110,9 +113,10 @@ TEST_P(NonFinite, InParametersReachesEveryToken) {
   bad.phi[static_cast<size_t>(3 * projection_width(config))] = value;  // row 3, column 0 (pre)
   HostParams host_params(config, bad);
   HostTensor x = random({kT, kN, kD});
-  HostTensor layer_in(DType::f32, {kT, kD}), h_pre(DType::f32, {kT, kN}), h_post(DType::f32, {kT, kN}),
-      h_res(DType::f32, {kT, kN, kN});
-  pre_forward(config, x.ref(), host_params.view(), {layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+  HostTensor layer_in(DType::f32, {kT, kD}), h_pre(DType::f32, {kT, kN}),
+      h_post(DType::f32, {kT, kN}), h_res(DType::f32, {kT, kN, kN});
+  pre_forward(config, x.ref(), host_params.view(),
+              {layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   const Vec gate = h_pre.to_double();
   const double eps = static_cast<double>(config.pre_eps);
   for (int64_t t = 0; t < kT; ++t) {
@@ -126,12 +130,11 @@ TEST_P(NonFinite, InParametersReachesEveryToken) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Values, NonFinite,
-    testing::Combine(testing::Values(std::numeric_limits<double>::quiet_NaN(),
-                                     std::numeric_limits<double>::infinity(),
-                                     -std::numeric_limits<double>::infinity()),
-                     testing::Values(Mix::sinkhorn, Mix::permutations)));
+INSTANTIATE_TEST_SUITE_P(Values, NonFinite,
+                         testing::Combine(testing::Values(std::numeric_limits<double>::quiet_NaN(),
+                                                          std::numeric_limits<double>::infinity(),
+                                                          -std::numeric_limits<double>::infinity()),
+                                          testing::Values(Mix::sinkhorn, Mix::permutations)));
 
 // sinkhorn_eps = 0 is accepted: with extreme logits a softmax entry underflows to 0, and a
 // column whose mass is 0 divides 0 by 0. The result is then NaN in that token's H_res, and the
@@ -141,7 +144,7 @@ TEST(NonFiniteEdge, ZeroSinkhornEpsWithUnderflowReturns) {
   config.n = 2;
   config.dim = 4;
   config.sinkhorn_eps = 0.0f;
-  reference::Params params{Vec(8, 1.0), Vec(8 * 8, 0.0), {1.0, 1.0, 1.0}, Vec(8, 0.0)};
+  reference::Params params{Vec(8, 1.0), Vec(size_t{8} * 8, 0.0), {1.0, 1.0, 1.0}, Vec(8, 0.0)};
   params.bias[4] = 2000.0;  // A[0,0]: row 0 all on column 0
   params.bias[6] = 2000.0;  // A[1,0]: row 1 all on column 0; column 1's mass exp(-2000) is 0
   HostParams host_params(config, params);

@@ -18,7 +18,8 @@ TEST(ReferenceConstants, OneStreamSinkhorn) {
   Config config;
   config.n = 1;
   config.dim = 2;
-  reference::Params params{{1.0, 1.0}, {1.0, 0.0, 0.0, 0.0, 1.0, 0.0}, {1.0, 1.0, 1.0}, {0.0, 0.0, 0.5}};
+  reference::Params params{
+      {1.0, 1.0}, {1.0, 0.0, 0.0, 0.0, 1.0, 0.0}, {1.0, 1.0, 1.0}, {0.0, 0.0, 0.5}};
   const reference::PreForward f = reference::pre_forward(config, {3.0, 4.0}, params);
   EXPECT_NEAR(f.h_pre[0], 0.7002592874662105, 1e-12);
   EXPECT_NEAR(f.h_post[0], 1.5121835750142498, 1e-12);
@@ -34,8 +35,8 @@ TEST(ReferenceConstants, TwoStreamPermutations) {
   config.n = 2;
   config.dim = 1;
   config.mix = Mix::permutations;
-  reference::Params params{{1.0, 1.0}, Vec(12, 0.0), {1.0, 1.0, 1.0},
-                           {0.0, 0.0, 0.0, 0.0, std::log(3.0), 0.0}};
+  reference::Params params{
+      {1.0, 1.0}, Vec(12, 0.0), {1.0, 1.0, 1.0}, {0.0, 0.0, 0.0, 0.0, std::log(3.0), 0.0}};
   const reference::PreForward f = reference::pre_forward(config, {1.0, 2.0}, params);
   EXPECT_NEAR(f.h_res[0], 0.75, 1e-12);
   EXPECT_NEAR(f.h_res[1], 0.25, 1e-12);

@@ -103,7 +103,8 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
   const Vec dx_partial = random(c.dtype, T * n * D);
   const Vec dh_post = random(DType::f32, T * n), dh_res = random(DType::f32, T * n * n);
   std::vector<HostTensor> xs;
-  for (int64_t s = 0; s < S; ++s) xs.push_back(HostTensor::from(c.dtype, {T, n, Dl}, take_slice(x, D, 1, S, s)));
+  for (int64_t s = 0; s < S; ++s)
+    xs.push_back(HostTensor::from(c.dtype, {T, n, Dl}, take_slice(x, D, 1, S, s)));
 
   // Forward: partials per slice, summed, then finished per slice.
   std::vector<HostTensor> partials;
@@ -144,11 +145,12 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
     HostTensor dxp(c.dtype, {T, n, Dl}), dlo(c.dtype, {T, Dl});
     dh_post_parts.emplace_back(DType::f32, std::vector<int64_t>{T, n});
     dh_res_parts.emplace_back(DType::f32, std::vector<int64_t>{T, n, n});
-    post_backward(slice_config, HostTensor::from(c.dtype, {T, n, Dl}, take_slice(g, D, 1, S, s)).ref(),
-                  xs[s].ref(), HostTensor::from(c.dtype, {T, Dl}, take_slice(layer_out, D, 1, S, s)).ref(),
-                  h_post.ref(), h_res.ref(),
-                  PostBackwardOutputs{dxp.mut(), dlo.mut(), dh_post_parts.back().mut(),
-                                      dh_res_parts.back().mut()});
+    post_backward(
+        slice_config, HostTensor::from(c.dtype, {T, n, Dl}, take_slice(g, D, 1, S, s)).ref(),
+        xs[s].ref(), HostTensor::from(c.dtype, {T, Dl}, take_slice(layer_out, D, 1, S, s)).ref(),
+        h_post.ref(), h_res.ref(),
+        PostBackwardOutputs{dxp.mut(), dlo.mut(), dh_post_parts.back().mut(),
+                            dh_res_parts.back().mut()});
     put_slice(dxp.to_double(), D, 1, S, s, dxp_post);
     put_slice(dlo.to_double(), D, 1, S, s, dlayer_out);
   }
@@ -156,8 +158,10 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
       reference::post_backward(config, g, x, layer_out, coefficients[1], coefficients[2]);
   expect_close("post dx_partial", dxp_post, post.dx_partial);
   expect_close("post dlayer_out", dlayer_out, post.dlayer_out);
-  expect_close("post dh_post (summed)", sum_slices(dh_post_parts, {T, n}).to_double(), post.dh_post);
-  expect_close("post dh_res (summed)", sum_slices(dh_res_parts, {T, n, n}).to_double(), post.dh_res);
+  expect_close("post dh_post (summed)", sum_slices(dh_post_parts, {T, n}).to_double(),
+               post.dh_post);
+  expect_close("post dh_res (summed)", sum_slices(dh_res_parts, {T, n, n}).to_double(),
+               post.dh_res);
 
   // Pre backward: dh_pre partials summed, then finished per slice.
   std::vector<HostTensor> dh_pre_parts;
@@ -172,14 +176,16 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
   Vec want_dh_pre(static_cast<size_t>(T * n), 0.0);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t k = 0; k < n; ++k) {
-      for (int64_t d = 0; d < D; ++d) want_dh_pre[t * n + k] += x[(t * n + k) * D + d] * dlayer_in[t * D + d];
+      for (int64_t d = 0; d < D; ++d)
+        want_dh_pre[t * n + k] += x[(t * n + k) * D + d] * dlayer_in[t * D + d];
     }
   }
   expect_close("dh_pre (summed)", dh_pre.to_double(), want_dh_pre);
 
   const HostTensor dhp = HostTensor::from(DType::f32, {T, n}, dh_post);
   const HostTensor dhr = HostTensor::from(DType::f32, {T, n, n}, dh_res);
-  Vec dx(static_cast<size_t>(T * n * D)), dnorm_weight(params.norm_weight.size()), dphi(params.phi.size());
+  Vec dx(static_cast<size_t>(T * n * D)), dnorm_weight(params.norm_weight.size()),
+      dphi(params.phi.size());
   Vec dalpha, dbias;
   for (int64_t s = 0; s < S; ++s) {
     const HostTensor nw = param_rows(params.norm_weight, 1, s), phi = param_rows(params.phi, N, s);
@@ -187,10 +193,11 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
     HostTensor dxs(c.dtype, {T, n, Dl}), dnw(DType::f32, {n * Dl}), dphis(DType::f32, {n * Dl, N}),
         da(DType::f32, {3}), db(DType::f32, {N});
     for (HostTensor* t : {&dxs, &dnw, &dphis, &da, &db}) t->poison();
-    pre_backward_finish(slice_config, dlis[s].ref(),
-                        HostTensor::from(c.dtype, {T, n, Dl}, take_slice(dx_partial, D, 1, S, s)).ref(),
-                        dh_pre.ref(), dhp.ref(), dhr.ref(), xs[s].ref(), summed.ref(), local, dxs.mut(),
-                        ParamGrads{dnw.mut(), dphis.mut(), da.mut(), db.mut()});
+    pre_backward_finish(
+        slice_config, dlis[s].ref(),
+        HostTensor::from(c.dtype, {T, n, Dl}, take_slice(dx_partial, D, 1, S, s)).ref(),
+        dh_pre.ref(), dhp.ref(), dhr.ref(), xs[s].ref(), summed.ref(), local, dxs.mut(),
+        ParamGrads{dnw.mut(), dphis.mut(), da.mut(), db.mut()});
     put_slice(dxs.to_double(), D, 1, S, s, dx);
     put_slice(dnw.to_double(), D, 1, S, s, dnorm_weight);
     put_slice(dphis.to_double(), D, N, S, s, dphi);
@@ -247,51 +254,78 @@ TEST(SplitErrors, RejectsBadSlicesAndShapes) {
   const reference::Params values = random_params(rng, config);
   HostParams params(config, values);
   HostTensor x = HostTensor::from(DType::f32, {T, 2, 6}, random_normal(rng, T * 12));
-  HostTensor partials(DType::f32, {T, N + 1}), h_pre(DType::f32, {T, 2}), h_post(DType::f32, {T, 2}),
-      h_res(DType::f32, {T, 2, 2}), layer_in(DType::f32, {T, 6});
+  HostTensor partials(DType::f32, {T, N + 1}), h_pre(DType::f32, {T, 2}),
+      h_post(DType::f32, {T, 2}), h_res(DType::f32, {T, 2, 2}), layer_in(DType::f32, {T, 6});
   const PreForwardOutputs outputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()};
 
   Config split = config;
   split.tensor_parallel = 4;  // does not divide D = 6
-  expect_error([&] { pre_forward_partials(split, x.ref(), params.norm_weight.ref(), params.phi.ref(), partials.mut()); },
-               "mhc::pre_forward_partials", "config.tensor_parallel", "divisor of D = 6");
+  expect_error(
+      [&] {
+        pre_forward_partials(split, x.ref(), params.norm_weight.ref(), params.phi.ref(),
+                             partials.mut());
+      },
+      "mhc::pre_forward_partials", "config.tensor_parallel", "divisor of D = 6");
   split.tensor_parallel = 0;
-  expect_error([&] { post_forward(split, x.ref(), layer_in.ref(), h_post.ref(), h_res.ref(), x.mut()); },
-               "mhc::post_forward", "config.tensor_parallel", "got 0");
+  expect_error(
+      [&] { post_forward(split, x.ref(), layer_in.ref(), h_post.ref(), h_res.ref(), x.mut()); },
+      "mhc::post_forward", "config.tensor_parallel", "got 0");
 
   split.tensor_parallel = 2;  // x must then hold 3 features per stream
-  expect_error([&] { pre_forward_partials(split, x.ref(), params.norm_weight.ref(), params.phi.ref(), partials.mut()); },
-               "mhc::pre_forward_partials", "x", "[T, 2, 3]");
+  expect_error(
+      [&] {
+        pre_forward_partials(split, x.ref(), params.norm_weight.ref(), params.phi.ref(),
+                             partials.mut());
+      },
+      "mhc::pre_forward_partials", "x", "[T, 2, 3]");
   expect_error([&] { pre_forward(split, x.ref(), params.view(), outputs); }, "mhc::pre_forward",
                "config.tensor_parallel", "pre_forward_partials and pre_forward_finish");
   HostTensor dx(DType::f32, {T, 2, 6});
   HostGrads grads(config);
-  expect_error([&] {
-    pre_backward(split, layer_in.ref(), x.ref(), h_pre.ref(), h_res.ref(), x.ref(), params.view(), dx.mut(),
-                 grads.view());
-  }, "mhc::pre_backward", "config.tensor_parallel", "pre_backward_partials and pre_backward_finish");
+  expect_error(
+      [&] {
+        pre_backward(split, layer_in.ref(), x.ref(), h_pre.ref(), h_res.ref(), x.ref(),
+                     params.view(), dx.mut(), grads.view());
+      },
+      "mhc::pre_backward", "config.tensor_parallel",
+      "pre_backward_partials and pre_backward_finish");
 
   // One slice (tensor_parallel = 1): the split ops check the local shapes like the fused ones.
   HostTensor short_partials(DType::f32, {T, N});
-  expect_error([&] { pre_forward_partials(config, x.ref(), params.norm_weight.ref(), params.phi.ref(), short_partials.mut()); },
-               "mhc::pre_forward_partials", "partials", "[2, " + std::to_string(N + 1) + "]");
-  expect_error([&] {
-    pre_forward_finish(config, x.ref(), short_partials.ref(), params.alpha.ref(), params.bias.ref(), outputs);
-  }, "mhc::pre_forward_finish", "partials", "expected shape");
-  expect_error([&] { pre_forward_finish(config, x.ref(), partials.ref(), params.bias.ref(), params.bias.ref(), outputs); },
-               "mhc::pre_forward_finish", "alpha", "[3]");
-  expect_error([&] { pre_backward_partials(config, x.ref(), x.ref(), h_pre.mut()); }, "mhc::pre_backward_partials",
-               "dlayer_in", "[2, 6]");
-  expect_error([&] { pre_backward_partials(config, layer_in.ref(), x.ref(), x.mut()); }, "mhc::pre_backward_partials",
-               "dh_pre", "[2, 2]");
-  expect_error([&] {
-    pre_backward_finish(config, layer_in.ref(), x.ref(), h_res.ref(), h_post.ref(), h_res.ref(), x.ref(),
-                        partials.ref(), params.view(), dx.mut(), grads.view());
-  }, "mhc::pre_backward_finish", "dh_pre", "[2, 2]");
-  expect_error([&] {
-    pre_backward_finish(config, layer_in.ref(), x.ref(), h_pre.ref(), h_post.ref(), h_res.ref(), x.ref(),
-                        partials.ref(), params.view(), x.mut(), grads.view());
-  }, "mhc::pre_backward_finish", "dx", "overlaps");
+  expect_error(
+      [&] {
+        pre_forward_partials(config, x.ref(), params.norm_weight.ref(), params.phi.ref(),
+                             short_partials.mut());
+      },
+      "mhc::pre_forward_partials", "partials", "[2, " + std::to_string(N + 1) + "]");
+  expect_error(
+      [&] {
+        pre_forward_finish(config, x.ref(), short_partials.ref(), params.alpha.ref(),
+                           params.bias.ref(), outputs);
+      },
+      "mhc::pre_forward_finish", "partials", "expected shape");
+  expect_error(
+      [&] {
+        pre_forward_finish(config, x.ref(), partials.ref(), params.bias.ref(), params.bias.ref(),
+                           outputs);
+      },
+      "mhc::pre_forward_finish", "alpha", "[3]");
+  expect_error([&] { pre_backward_partials(config, x.ref(), x.ref(), h_pre.mut()); },
+               "mhc::pre_backward_partials", "dlayer_in", "[2, 6]");
+  expect_error([&] { pre_backward_partials(config, layer_in.ref(), x.ref(), x.mut()); },
+               "mhc::pre_backward_partials", "dh_pre", "[2, 2]");
+  expect_error(
+      [&] {
+        pre_backward_finish(config, layer_in.ref(), x.ref(), h_res.ref(), h_post.ref(), h_res.ref(),
+                            x.ref(), partials.ref(), params.view(), dx.mut(), grads.view());
+      },
+      "mhc::pre_backward_finish", "dh_pre", "[2, 2]");
+  expect_error(
+      [&] {
+        pre_backward_finish(config, layer_in.ref(), x.ref(), h_pre.ref(), h_post.ref(), h_res.ref(),
+                            x.ref(), partials.ref(), params.view(), x.mut(), grads.view());
+      },
+      "mhc::pre_backward_finish", "dx", "overlaps");
 }
 
 }  // namespace

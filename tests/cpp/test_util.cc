@@ -135,7 +135,9 @@ HostParams::HostParams(const Config& config, const reference::Params& values)
       alpha(HostTensor::from(DType::f32, {3}, values.alpha)),
       bias(HostTensor::from(DType::f32, {projection_width(config)}, values.bias)) {}
 
-Params HostParams::view() const { return Params{norm_weight.ref(), phi.ref(), alpha.ref(), bias.ref()}; }
+Params HostParams::view() const {
+  return Params{norm_weight.ref(), phi.ref(), alpha.ref(), bias.ref()};
+}
 
 HostGrads::HostGrads(const Config& config)
     : norm_weight(DType::f32, {flat_width(config)}),

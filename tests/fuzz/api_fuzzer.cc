@@ -60,8 +60,7 @@ struct Views {
     // Size the buffer from the (possibly perturbed) shape the view claims, as a caller would.
     size_t count = 1;
     for (int k = 0; k < view.rank; ++k) {
-      if (view.shape[k] < 0) count = 0;
-      else count *= static_cast<size_t>(view.shape[k]);
+      count = view.shape[k] < 0 ? 0 : count * static_cast<size_t>(view.shape[k]);
     }
     const size_t element = view.dtype == mhc::DType::bf16 ? 2 : 4;
     view.data = mistake == 5 ? nullptr : arena.bytes(count * element, data);
@@ -100,25 +99,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
 
   Views v{Arena{}, data};
   try {
-    const mhc::Params params{v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)};
+    const mhc::Params params{v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32),
+                             v.make({N}, f32)};
     const mhc::TensorRef x = v.make({T, n, D}, x_dtype);
     switch (op) {
       case 0:
         mhc::pre_forward(config, x, params,
-                         {v.make({T, D}, x_dtype), v.make({T, n}, f32), v.make({T, n}, f32), v.make({T, n, n}, f32)});
+                         {v.make({T, D}, x_dtype), v.make({T, n}, f32), v.make({T, n}, f32),
+                          v.make({T, n, n}, f32)});
         break;
       case 1:
-        mhc::post_forward(config, x, v.make({T, D}, lo_dtype), v.make({T, n}, f32), v.make({T, n, n}, f32),
-                          v.make({T, n, D}, x_dtype));
+        mhc::post_forward(config, x, v.make({T, D}, lo_dtype), v.make({T, n}, f32),
+                          v.make({T, n, n}, f32), v.make({T, n, D}, x_dtype));
         break;
       case 2:
-        mhc::post_backward(config, v.make({T, n, D}, x_dtype), x, v.make({T, D}, lo_dtype), v.make({T, n}, f32),
-                           v.make({T, n, n}, f32),
-                           {v.make({T, n, D}, x_dtype), v.make({T, D}, lo_dtype), v.make({T, n}, f32),
-                            v.make({T, n, n}, f32)});
+        mhc::post_backward(config, v.make({T, n, D}, x_dtype), x, v.make({T, D}, lo_dtype),
+                           v.make({T, n}, f32), v.make({T, n, n}, f32),
+                           {v.make({T, n, D}, x_dtype), v.make({T, D}, lo_dtype),
+                            v.make({T, n}, f32), v.make({T, n, n}, f32)});
         break;
       case 4:
-        mhc::pre_forward_partials(config, x, params.norm_weight, params.phi, v.make({T, N + 1}, f32));
+        mhc::pre_forward_partials(config, x, params.norm_weight, params.phi,
+                                  v.make({T, N + 1}, f32));
         break;
       case 5:
         mhc::pre_forward_finish(config, x, v.make({T, N + 1}, f32), params.alpha, params.bias,
@@ -129,15 +131,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
         mhc::pre_backward_partials(config, v.make({T, D}, x_dtype), x, v.make({T, n}, f32));
         break;
       case 7:
-        mhc::pre_backward_finish(config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
-                                 v.make({T, n}, f32), v.make({T, n, n}, f32), x, v.make({T, N + 1}, f32), params,
-                                 v.make({T, n, D}, x_dtype),
-                                 {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
+        mhc::pre_backward_finish(
+            config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
+            v.make({T, n}, f32), v.make({T, n, n}, f32), x, v.make({T, N + 1}, f32), params,
+            v.make({T, n, D}, x_dtype),
+            {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
         break;
       default:  // 3
-        mhc::pre_backward(config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
-                          v.make({T, n, n}, f32), x, params, v.make({T, n, D}, x_dtype),
-                          {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
+        mhc::pre_backward(
+            config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
+            v.make({T, n, n}, f32), x, params, v.make({T, n, D}, x_dtype),
+            {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
         break;
     }
   } catch (const mhc::Error&) {

@@ -59,7 +59,7 @@ def check(mesh_shape, axis_names, token_axes, mix, seed, tensor_axis=None):
     loss_single, loss_sharded = loss(forward_single), loss(forward_sharded)
     want = jax.jit(forward_single)(x, params), jax.jit(jax.grad(loss_single, argnums=(0, 1)))(x, params)
     got = jax.jit(forward_sharded)(x, params), jax.jit(jax.grad(loss_sharded, argnums=(0, 1)))(x, params)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
         error = relative_error(a, b)
         assert error <= 1e-5, f"{name}: {jax.tree_util.keystr(path)} error {error:.3g} (seed {seed})"
 

@@ -11,20 +11,38 @@ from mhc.demo import RunSpec, train
 
 
 def _tiny_spec(**overrides):
-    spec = dict(name="t", steps=20, batch=4, seq_len=16, width=32, layers=1, heads=2, n=4,
-                residual="mhc", use_kernel=True, lr=3e-3, seed=0, eval_every=10, eval_batches=1,
-                sample_bytes=8, prompt="def ", data=None, progress=False)
+    spec = dict(
+        name="t",
+        steps=20,
+        batch=4,
+        seq_len=16,
+        width=32,
+        layers=1,
+        heads=2,
+        n=4,
+        residual="mhc",
+        use_kernel=True,
+        lr=3e-3,
+        seed=0,
+        eval_every=10,
+        eval_batches=1,
+        sample_bytes=8,
+        prompt="def ",
+        data=None,
+        progress=False,
+    )
     spec.update(overrides)
     return RunSpec(**spec)
 
 
 def test_demo_runs_and_writes_its_outputs(tmp_path):
     out = tmp_path / "demo"
+    flags = "--steps 12 --batch 4 --seq-len 32 --width 32 --layers 1 --heads 2 --eval-every 6 --eval-batches 1"
     result = subprocess.run(
-        [sys.executable, "-m", "mhc.demo", "--steps", "12", "--batch", "4", "--seq-len", "32", "--width", "32",
-         "--layers", "1", "--heads", "2", "--eval-every", "6", "--eval-batches", "1", "--sample-bytes", "16",
-         "--out", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", "mhc.demo", *flags.split(), "--sample-bytes", "16", "--out", str(out), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "train loss" in result.stdout and "sample" in result.stdout

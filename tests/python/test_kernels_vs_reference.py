@@ -42,8 +42,12 @@ def test_outputs_and_gradients(seed, dtype, mix, n, d):
     (li_k, out_k), grads_k = jax.jit(lambda: run(True))()
     (li_r, out_r), grads_r = jax.jit(lambda: run(False))()
     tol = TOLERANCE[dtype]
-    named = {"layer_in": (li_k, li_r), "out": (out_k, out_r), "dx": (grads_k[0], grads_r[0]),
-             "dlayer_out": (grads_k[1], grads_r[1])}
+    named = {
+        "layer_in": (li_k, li_r),
+        "out": (out_k, out_r),
+        "dx": (grads_k[0], grads_r[0]),
+        "dlayer_out": (grads_k[1], grads_r[1]),
+    }
     for field in mj.Params._fields:
         named["d" + field] = (getattr(grads_k[2], field), getattr(grads_r[2], field))
     assert grads_k[0].dtype == x.dtype and grads_k[1].dtype == layer_out.dtype

@@ -49,7 +49,7 @@ def test_kernel_path_matches_reference(n, d, lead, mix, iters, dtype, seed):
         return jax.tree.leaves((outputs, vjp((w_in, w_out))))
 
     relative, absolute = BOUNDS[dtype]
-    for got, want in zip(run(True), run(False)):
+    for got, want in zip(run(True), run(False), strict=True):
         got = np.asarray(got, np.float64)
         want = np.asarray(want, np.float64)
         assert np.isfinite(got).all(), "kernel produced a non-finite value from finite inputs"
@@ -70,19 +70,21 @@ def test_invalid_input_raises_and_never_kills_the_interpreter():
         config = mj.Config(n=4)
         params = mj.init_params(jax.random.key(0), config, 8)
         x = jnp.ones((3, 4, 8))
+        layer_out, h_post, h_res = jnp.ones((3, 8)), jnp.ones((3, 4)), jnp.ones((3, 4, 4))
+        bf16_bias = params._replace(bias=params.bias.astype(jnp.bfloat16))
         bad_calls = {
             "rank": lambda: mj.pre(jnp.ones(8), params, config),
             "streams": lambda: mj.pre(jnp.ones((3, 5, 8)), params, config),
             "dtype": lambda: mj.pre(jnp.ones((3, 4, 8), jnp.int8), params, config),
             "param shape": lambda: mj.pre(x, params._replace(phi=jnp.ones((32, 23))), config),
             "ffi param shape": lambda: _kernels.pre_forward(config, x, params._replace(phi=jnp.ones((32, 23)))),
-            "ffi param dtype": lambda: _kernels.pre_forward(config, x, params._replace(bias=params.bias.astype(jnp.bfloat16))),
+            "ffi param dtype": lambda: _kernels.pre_forward(config, x, bf16_bias),
             "ffi streams": lambda: _kernels.pre_forward(mj.Config(n=2), jnp.ones((3, 4, 8)), params),
-            "ffi layer_out": lambda: _kernels.post_forward(config, x, jnp.ones((3, 9)), jnp.ones((3, 4)), jnp.ones((3, 4, 4))),
+            "ffi layer_out": lambda: _kernels.post_forward(config, x, jnp.ones((3, 9)), h_post, h_res),
             "ffi slices": lambda: _kernels.pre_forward_partials(config, 0, x, params.norm_weight, params.phi),
             "ffi slice rows": lambda: _kernels.pre_forward_partials(config, 2, x, jnp.ones(64), jnp.ones((64, 24))),
             "ffi dh_pre shape": lambda: _kernels.pre_backward_partials(config, 1, jnp.ones((3, 9)), x),
-            "ffi x dtype": lambda: _kernels.post_forward(config, x.astype(jnp.float16), jnp.ones((3, 8)), jnp.ones((3, 4)), jnp.ones((3, 4, 4))),
+            "ffi x dtype": lambda: _kernels.post_forward(config, x.astype(jnp.float16), layer_out, h_post, h_res),
         }
         for name, call in bad_calls.items():
             try:
@@ -95,8 +97,9 @@ def test_invalid_input_raises_and_never_kills_the_interpreter():
         print("done")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ))
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=dict(os.environ)
+    )
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
     assert result.stdout.count("raised") == 12 and "done" in result.stdout, result.stdout
     assert "mhc::pre_forward: params.phi: expected shape [32, 24], got [32, 23]" in result.stdout, result.stdout

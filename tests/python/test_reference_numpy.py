@@ -33,7 +33,7 @@ def numpy_forward(x, layer_out, params, config):
             a[c] = alpha[group] * r * np.sum(xt * nw * phi[:, c]) + bias[c]
         h_pre = np.array([sig(a[k]) + config.pre_eps for k in range(n)])
         h_post = np.array([config.post_scale * sig(a[n + k]) for k in range(n)])
-        res = a[2 * n:]
+        res = a[2 * n :]
         if config.mix == "sinkhorn":
             logits = res.reshape(n, n)
             s = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -57,8 +57,13 @@ def numpy_forward(x, layer_out, params, config):
 
 @pytest.mark.parametrize(
     "n,d,mix,iters",
-    [(1, 5, "sinkhorn", 20), (3, 7, "sinkhorn", 1), (4, 16, "sinkhorn", 20), (3, 4, "permutations", 20),
-     (4, 9, "permutations", 20)],
+    [
+        (1, 5, "sinkhorn", 20),
+        (3, 7, "sinkhorn", 1),
+        (4, 16, "sinkhorn", 20),
+        (3, 4, "permutations", 20),
+        (4, 9, "permutations", 20),
+    ],
 )
 def test_reference_forward_matches_numpy(seed, n, d, mix, iters):
     config = mj.Config(n=n, mix=mix, sinkhorn_iters=iters)

@@ -82,8 +82,9 @@ def pre_backward_partials(config: Config, slices: int, dlayer_in, x):
     return _call("mhc_pre_backward_partials", config, types, dlayer_in, x, slices=slices)
 
 
-def pre_backward_finish(config: Config, slices: int, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials,
-                        params: Params):
+def pre_backward_finish(
+    config: Config, slices: int, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, params: Params
+):
     types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in params)
     args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, *params)
     return _call("mhc_pre_backward_finish", config, types, *args, slices=slices)

@@ -127,8 +127,7 @@ def check_pre_args(x, params: Params, config: Config) -> None:
             raise TypeError(f"params.{name}: expected dtype float32, got {value.dtype}")
         if tuple(value.shape) != shape:
             raise ValueError(
-                f"params.{name}: expected shape {shape} for n={n}, D={d}, mix={config.mix!r}, "
-                f"got {tuple(value.shape)}"
+                f"params.{name}: expected shape {shape} for n={n}, D={d}, mix={config.mix!r}, got {tuple(value.shape)}"
             )
 
 
