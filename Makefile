@@ -5,7 +5,7 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DMHC_WERROR=ON
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage bench demo \
+.PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage bench bench-cpp demo \
 	example clean
 
 # Debian packages (scripts/setup.sh installs only what is missing).
@@ -59,8 +59,13 @@ coverage: python
 # once, under coverage), then the lint checks.
 test: test-cpp sanitize fuzz coverage lint
 
-# Google Benchmark timing of the four operations next to a large memcpy (the bandwidth limit).
-bench: build
+# Kernels vs the jitted plain-JAX path on the roofline (python -m mhc.bench; BENCH_ARGS passes
+# flags, e.g. BENCH_ARGS="--tokens 8192 --dims 4096 --dtypes bf16 --json bench.json").
+bench: python
+	@$(PYTHON) -m mhc.bench $(BENCH_ARGS)
+
+# Google Benchmark timing of the four C++ operations next to a large memcpy.
+bench-cpp: build
 	@$(BUILD)/mhc_bench --benchmark_min_time=0.5
 
 # The main job: train a small byte-level mHC transformer on the CPU with the fused kernels

@@ -102,15 +102,16 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   std::vector<Scratch> scratch;
   scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
-    float* mine = staging + w * stage;
-    scratch.push_back(Scratch{mine, mine + tile * M, mine + tile * (M + D),
-                              std::vector<float>(static_cast<size_t>(tile * N)),
-                              std::vector<float>(static_cast<size_t>(tile * N)),
-                              std::vector<float>(static_cast<size_t>(tile * n)),
-                              std::vector<float>(static_cast<size_t>(tile)),
-                              std::vector<float>(static_cast<size_t>(n + n * n)),
-                              std::vector<double>(static_cast<size_t>(n)),
-                              TokenCoefficients(config, alpha, bias)});
+    // f32 activations need no staging (the pointers stay null, never offset).
+    float* mine = kWiden ? staging + w * stage : nullptr;
+    scratch.push_back(Scratch{
+        mine, kWiden ? mine + tile * M : nullptr, kWiden ? mine + tile * (M + D) : nullptr,
+        std::vector<float>(static_cast<size_t>(tile * N)),
+        std::vector<float>(static_cast<size_t>(tile * N)),
+        std::vector<float>(static_cast<size_t>(tile * n)),
+        std::vector<float>(static_cast<size_t>(tile)),
+        std::vector<float>(static_cast<size_t>(n + n * n)),
+        std::vector<double>(static_cast<size_t>(n)), TokenCoefficients(config, alpha, bias)});
   }
 
   pool.parallel_for(chunks, workers, [&](int64_t chunk, int worker) {

@@ -6,39 +6,18 @@
 
 #include <algorithm>
 
+#include "simd.h"
 #include "thread_pool.h"
-
-#define MHC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-// Helpers must be inlined into each clone to be compiled for its instruction set; a call to an
-// out-of-line copy would run baseline SSE code.
-#define MHC_INLINE inline __attribute__((always_inline))
 
 namespace mhc::cpu {
 
 namespace {
 
-constexpr int64_t kLanes = 8;
-// Eight f32 lanes as one value (GCC/Clang vector extension): one AVX register in the x86-64-v3
-// and v4 clones, two SSE registers in the baseline one.
-typedef float Lanes8 __attribute__((vector_size(32)));
-// The same lanes at any float-aligned address, for loads and stores straight from arrays (the
-// accumulators then stay in registers; memcpy into arrays of vectors made GCC keep them on the
-// stack). Helpers take vectors by pointer: by value would change the ABI between the clones.
-typedef float UnalignedLanes8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef float Lanes4 __attribute__((vector_size(16)));
-typedef double Wide4 __attribute__((vector_size(32)));
-typedef double UnalignedWide4 __attribute__((vector_size(32), aligned(8), may_alias));
-MHC_INLINE void load(Lanes8* v, const float* p) {
-  *v = *reinterpret_cast<const UnalignedLanes8*>(p);
-}
-MHC_INLINE void store(float* p, const Lanes8* v) { *reinterpret_cast<UnalignedLanes8*>(p) = *v; }
-// out[0:8] += v, widened to double, one half at a time (an 8-double vector goes through memory).
-MHC_INLINE void add_wide(double* out, const Lanes8* v) {
-  const Lanes4 low = __builtin_shufflevector(*v, *v, 0, 1, 2, 3);
-  const Lanes4 high = __builtin_shufflevector(*v, *v, 4, 5, 6, 7);
-  *reinterpret_cast<UnalignedWide4*>(out) += __builtin_convertvector(low, Wide4);
-  *reinterpret_cast<UnalignedWide4*>(out + 4) += __builtin_convertvector(high, Wide4);
-}
+using simd::add_wide;
+using simd::kLanes;
+using simd::Lanes8;
+using simd::load;
+using simd::store;
 
 constexpr int64_t kFoldRows = 128;  // rows of W per f32 partial sum of the projection
 // Columns of M per block of the input gradient. W^T is stored blocked, [M/256][N][256], so a

@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cstring>
 
-#define MHC_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#include "simd.h"
 
 namespace mhc::cpu {
 
 namespace {
-constexpr int kLanes = 8;  // one AVX2 register of f32
+using simd::kLanes;
 
 // Fixed-order combination of the lane partial sums and the scalar tail.
 inline double combine_wide(const double* lanes, double tail) {
@@ -55,22 +55,28 @@ MHC_CLONES double sum_squares(const float* x, int64_t count) {
 MHC_CLONES void weighted_rows(const float* first, float first_weight, const float* rows,
                               int64_t count, const float* weights, int64_t weight_stride, int64_t D,
                               float* out) {
-  constexpr int64_t kChunk = 512;
-  double acc[kChunk];
-  for (int64_t d0 = 0; d0 < D; d0 += kChunk) {
-    const int64_t len = std::min(kChunk, D - d0);
+  // Eight outputs at a time in two 4-lane double accumulators held in registers across the rows
+  // (an accumulator array in memory made each row a load-add-store pass over it).
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) {
+    simd::Wide4 low = {}, high = {};
     if (first != nullptr) {
-      const double w = first_weight;
-      for (int64_t k = 0; k < len; ++k) acc[k] = w * first[d0 + k];
-    } else {
-      for (int64_t k = 0; k < len; ++k) acc[k] = 0.0;
+      simd::add_weighted4(&low, first_weight, first + d);
+      simd::add_weighted4(&high, first_weight, first + d + 4);
     }
     for (int64_t r = 0; r < count; ++r) {
       const double w = weights[r * weight_stride];
-      const float* row = rows + r * D + d0;
-      for (int64_t k = 0; k < len; ++k) acc[k] += w * row[k];
+      simd::add_weighted4(&low, w, rows + r * D + d);
+      simd::add_weighted4(&high, w, rows + r * D + d + 4);
     }
-    for (int64_t k = 0; k < len; ++k) out[d0 + k] = static_cast<float>(acc[k]);
+    simd::narrow4(&low, out + d);
+    simd::narrow4(&high, out + d + 4);
+  }
+  for (; d < D; ++d) {
+    double acc = 0.0;
+    if (first != nullptr) acc += double{first_weight} * first[d];
+    for (int64_t r = 0; r < count; ++r) acc += double{weights[r * weight_stride]} * rows[r * D + d];
+    out[d] = static_cast<float>(acc);
   }
 }
 

@@ -1,5 +1,6 @@
-// The inner loops of the CPU kernels, on f32 arrays. Each function is compiled twice (x86-64-v3
-// with AVX2 and FMA, and baseline x86-64) and the loader picks the clone the CPU supports.
+// The inner loops of the CPU kernels, on f32 arrays. Each function is compiled for x86-64-v4
+// (AVX-512), x86-64-v3 (AVX2 + FMA) and baseline x86-64, and the loader picks the clone the CPU
+// supports (simd.h).
 //
 // Every reduction keeps kLanes independent partial sums and combines them in a fixed order, so
 // its result depends on the length only, never on blocking or threads (and the loops vectorize).
