@@ -127,3 +127,20 @@ def test_training_a_sublayer_matches_the_reference(seed):
 def _sgd(loss, state, use_kernel):
     value, grads = jax.value_and_grad(loss)(state, use_kernel)
     return value, jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+
+
+def test_thread_count_knob():
+    import mhc
+
+    default = mhc.num_threads()
+    assert default >= 1
+    try:
+        mhc.set_num_threads(1)
+        assert mhc.num_threads() == 1
+        x = jnp.ones((3, 2, 8))
+        params = mj.init_params(jax.random.key(0), mj.Config(n=2), 8)
+        layer_in, _ = mj.pre(x, params, mj.Config(n=2))
+        assert np.isfinite(np.asarray(layer_in)).all()
+    finally:
+        mhc.set_num_threads(0)
+    assert mhc.num_threads() == default
