@@ -84,7 +84,7 @@ def _inputs(s: Shape, seed: int = 0):
 
     config = mj.Config(n=s.n, mix=s.mix)
     dtype = jnp.bfloat16 if s.dtype == "bf16" else jnp.float32
-    keys = jax.random.split(jax.random.key(seed), 8)
+    keys = jax.random.split(jax.random.key(seed), 9)
     t, n, d = s.tokens, s.n, s.dim
     params = mj.init_params(keys[0], config, d)
     params = params._replace(alpha=jnp.array([0.8, -0.6, 1.1], jnp.float32))
@@ -102,7 +102,7 @@ def _inputs(s: Shape, seed: int = 0):
             h_post=h_post,
             h_res=h_res,
             dh_post=jax.random.normal(keys[7], (t, n)),
-            dh_res=jax.random.normal(keys[7], (t, n, n)),
+            dh_res=jax.random.normal(keys[8], (t, n, n)),
         ),
     )
 

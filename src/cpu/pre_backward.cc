@@ -70,7 +70,9 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
     std::fill(dbias, dbias + N, 0.0f);
     return;
   }
-  const ProjectionWeight weight(norm_weight, phi, M, N);
+  // The projection is recomputed only when the caller supplies no partials.
+  const ProjectionWeight weight(
+      norm_weight, phi, M, N, supplied.partials == nullptr ? kRowLayout | kColLayout : kColLayout);
   const int64_t tile = backward_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
   const int64_t chunks = chunk_count(tiles, M, N);

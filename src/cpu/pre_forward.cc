@@ -137,7 +137,8 @@ void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef
                  const Params& params, const PreForwardOutputs& outputs) {
   if (dims.T == 0) return;
   const ProjectionWeight weight(static_cast<const float*>(params.norm_weight.data),
-                                static_cast<const float*>(params.phi.data), dims.M, dims.N);
+                                static_cast<const float*>(params.phi.data), dims.M, dims.N,
+                                kRowLayout);
   run_any(config, dims, x, ProjectionSource{&weight, nullptr},
           static_cast<const float*>(params.alpha.data), static_cast<const float*>(params.bias.data),
           outputs);
@@ -147,7 +148,7 @@ void pre_forward_partials(const detail::Dims& dims, const TensorRef& x,
                           const TensorRef& norm_weight, const TensorRef& phi, float* partials) {
   if (dims.T == 0) return;
   const ProjectionWeight weight(static_cast<const float*>(norm_weight.data),
-                                static_cast<const float*>(phi.data), dims.M, dims.N);
+                                static_cast<const float*>(phi.data), dims.M, dims.N, kRowLayout);
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
     run_partials(dims, static_cast<const X*>(x.data), weight, partials);

@@ -127,12 +127,14 @@ MHC_INLINE void weight_grad_columns(const float* packed, const float* dP, int64_
 
 }  // namespace
 
-ProjectionWeight::ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N)
+ProjectionWeight::ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N,
+                                   unsigned layouts)
     : M_(M),
       N_(N),
       NP_((N + kLanes - 1) / kLanes * kLanes),
-      rows_(static_cast<size_t>(M * NP_), 0.0f),
-      cols_(static_cast<size_t>(M * N)) {
+      rows_((layouts & kRowLayout) != 0 ? static_cast<size_t>(M * NP_) : 0, 0.0f),
+      cols_((layouts & kColLayout) != 0 ? static_cast<size_t>(M * N) : 0) {
+  const bool with_rows = !rows_.empty(), with_cols = !cols_.empty();
   constexpr int64_t kRows = 1024;
   ThreadPool& pool = ThreadPool::instance();
   pool.parallel_for((M + kRows - 1) / kRows, pool.threads(), [&](int64_t task, int) {
@@ -141,8 +143,8 @@ ProjectionWeight::ProjectionWeight(const float* norm_weight, const float* phi, i
       const int64_t m0 = m / kGradColumns * kGradColumns, width = std::min(kGradColumns, M - m0);
       for (int64_t c = 0; c < N; ++c) {
         const float w = norm_weight[m] * phi[m * N + c];
-        rows_[static_cast<size_t>(m * NP_ + c)] = w;
-        cols_[static_cast<size_t>(m0 * N + c * width + (m - m0))] = w;
+        if (with_rows) rows_[static_cast<size_t>(m * NP_ + c)] = w;
+        if (with_cols) cols_[static_cast<size_t>(m0 * N + c * width + (m - m0))] = w;
       }
     }
   });

@@ -9,10 +9,15 @@
 
 namespace mhc::cpu {
 
-// W in the two layouts the kernels stream, folded once per call.
+// Layouts of W a call needs: the projection streams rows, the input gradient cols.
+enum WeightLayout : unsigned { kRowLayout = 1, kColLayout = 2 };
+
+// W in the layouts the kernels stream, folded once per call; only those in `layouts` are built
+// (the forward never reads cols, and pre_backward_finish, which is handed P, never reads rows).
 class ProjectionWeight {
  public:
-  ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N);
+  ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N,
+                   unsigned layouts);
 
   int64_t M() const { return M_; }
   int64_t N() const { return N_; }

@@ -11,20 +11,6 @@
 namespace mhc::test {
 namespace {
 
-template <class Call>
-void expect_error(Call call, const std::string& op, const std::string& argument,
-                  const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "expected mhc::Error for " << argument;
-  } catch (const Error& error) {
-    EXPECT_EQ(error.op(), op) << error.what();
-    EXPECT_EQ(error.argument(), argument) << error.what();
-    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
-        << "message '" << error.what() << "' lacks '" << fragment << "'";
-  }
-}
-
 // Valid arguments for all four operations; each test breaks one of them.
 class BadInput : public testing::Test {
  protected:

@@ -231,20 +231,6 @@ std::vector<Case> split_cases() {
 }
 INSTANTIATE_TEST_SUITE_P(Slices, SplitVsReference, testing::ValuesIn(split_cases()), case_name);
 
-template <class Call>
-void expect_error(Call call, const std::string& op, const std::string& argument,
-                  const std::string& fragment) {
-  try {
-    call();
-    ADD_FAILURE() << "expected mhc::Error for " << argument;
-  } catch (const Error& error) {
-    EXPECT_EQ(error.op(), op) << error.what();
-    EXPECT_EQ(error.argument(), argument) << error.what();
-    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
-        << "message '" << error.what() << "' lacks '" << fragment << "'";
-  }
-}
-
 TEST(SplitErrors, RejectsBadSlicesAndShapes) {
   Config config;
   config.n = 2;

@@ -2,6 +2,8 @@
 // coefficients, and the spec's relative-norm error (NaN never passes).
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <random>
 #include <string>
@@ -68,5 +70,20 @@ struct HostGrads {
 };
 
 std::string describe(const Config& config, int64_t T, DType dtype);
+
+// Expects call() to throw mhc::Error naming `op` and `argument`, with `fragment` in its message.
+template <class Call>
+void expect_error(Call call, const std::string& op, const std::string& argument,
+                  const std::string& fragment) {
+  try {
+    call();
+    ADD_FAILURE() << "expected mhc::Error for " << argument;
+  } catch (const Error& error) {
+    EXPECT_EQ(error.op(), op) << error.what();
+    EXPECT_EQ(error.argument(), argument) << error.what();
+    EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
+        << "message '" << error.what() << "' lacks '" << fragment << "'";
+  }
+}
 
 }  // namespace mhc::test
