@@ -127,4 +127,134 @@ void ArgumentChecker::finish() const {
   }
 }
 
+Dims check_pre_forward(const char* op, const Config& config, const TensorRef& x,
+                       const Params& params, const PreForwardOutputs& outputs) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("pre_forward_partials and pre_forward_finish");
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.params(params);
+  check.output("layer_in", outputs.layer_in, {d.T, d.D}, x.dtype);
+  check.output("h_pre", outputs.h_pre, {d.T, d.n}, DType::f32);
+  check.output("h_post", outputs.h_post, {d.T, d.n}, DType::f32);
+  check.output("h_res", outputs.h_res, {d.T, d.n, d.n}, DType::f32);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_post_forward(const char* op, const Config& config, const TensorRef& x,
+                        const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                        const MutableTensorRef& out) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("layer_out", layer_out, {d.T, d.D},
+               layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32);
+  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
+  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  check.output("out", out, {d.T, d.n, d.D}, x.dtype);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_post_backward(const char* op, const Config& config, const TensorRef& g,
+                         const TensorRef& x, const TensorRef& layer_out, const TensorRef& h_post,
+                         const TensorRef& h_res, const PostBackwardOutputs& outputs) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  const DType lo_dtype = layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  check.tensor("g", g, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("layer_out", layer_out, {d.T, d.D}, lo_dtype);
+  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
+  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);
+  check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
+  check.output("dh_res", outputs.dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_backward(const char* op, const Config& config, const TensorRef& dlayer_in,
+                        const TensorRef& dx_partial, const TensorRef& dh_post,
+                        const TensorRef& dh_res, const TensorRef& x, const Params& params,
+                        const MutableTensorRef& dx, const ParamGrads& grads) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("pre_backward_partials and pre_backward_finish");
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.params(params);
+  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
+  check.grads(grads);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_forward_partials(const char* op, const Config& config, const TensorRef& x,
+                                const TensorRef& norm_weight, const TensorRef& phi,
+                                const MutableTensorRef& partials) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("norm_weight", norm_weight, {d.M}, DType::f32);
+  check.tensor("phi", phi, {d.M, d.N}, DType::f32);
+  check.output("partials", partials, {d.T, d.N + 1}, DType::f32);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_forward_finish(const char* op, const Config& config, const TensorRef& x,
+                              const TensorRef& partials, const TensorRef& alpha,
+                              const TensorRef& bias, const PreForwardOutputs& outputs) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+  check.tensor("alpha", alpha, {3}, DType::f32);
+  check.tensor("bias", bias, {d.N}, DType::f32);
+  check.output("layer_in", outputs.layer_in, {d.T, d.D}, x.dtype);
+  check.output("h_pre", outputs.h_pre, {d.T, d.n}, DType::f32);
+  check.output("h_post", outputs.h_post, {d.T, d.n}, DType::f32);
+  check.output("h_res", outputs.h_res, {d.T, d.n, d.n}, DType::f32);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_backward_partials(const char* op, const Config& config, const TensorRef& dlayer_in,
+                                 const TensorRef& x, const MutableTensorRef& dh_pre) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
+  check.output("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_backward_finish(const char* op, const Config& config, const TensorRef& dlayer_in,
+                               const TensorRef& dx_partial, const TensorRef& dh_pre,
+                               const TensorRef& dh_post, const TensorRef& dh_res,
+                               const TensorRef& x, const TensorRef& partials, const Params& params,
+                               const MutableTensorRef& dx, const ParamGrads& grads) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
+  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+  check.params(params);
+  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
+  check.grads(grads);
+  check.finish();
+  return check.dims();
+}
+
 }  // namespace mhc::detail

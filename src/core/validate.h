@@ -62,4 +62,32 @@ class ArgumentChecker {
   std::vector<Span> spans_;
 };
 
+// One check per public operation, shared by every backend: the same arguments are checked in the
+// same order, and messages start with `op` (e.g. "mhc::pre_forward" or "mhc::cuda::pre_forward").
+Dims check_pre_forward(const char* op, const Config& config, const TensorRef& x,
+                       const Params& params, const PreForwardOutputs& outputs);
+Dims check_post_forward(const char* op, const Config& config, const TensorRef& x,
+                        const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                        const MutableTensorRef& out);
+Dims check_post_backward(const char* op, const Config& config, const TensorRef& g,
+                         const TensorRef& x, const TensorRef& layer_out, const TensorRef& h_post,
+                         const TensorRef& h_res, const PostBackwardOutputs& outputs);
+Dims check_pre_backward(const char* op, const Config& config, const TensorRef& dlayer_in,
+                        const TensorRef& dx_partial, const TensorRef& dh_post,
+                        const TensorRef& dh_res, const TensorRef& x, const Params& params,
+                        const MutableTensorRef& dx, const ParamGrads& grads);
+Dims check_pre_forward_partials(const char* op, const Config& config, const TensorRef& x,
+                                const TensorRef& norm_weight, const TensorRef& phi,
+                                const MutableTensorRef& partials);
+Dims check_pre_forward_finish(const char* op, const Config& config, const TensorRef& x,
+                              const TensorRef& partials, const TensorRef& alpha,
+                              const TensorRef& bias, const PreForwardOutputs& outputs);
+Dims check_pre_backward_partials(const char* op, const Config& config, const TensorRef& dlayer_in,
+                                 const TensorRef& x, const MutableTensorRef& dh_pre);
+Dims check_pre_backward_finish(const char* op, const Config& config, const TensorRef& dlayer_in,
+                               const TensorRef& dx_partial, const TensorRef& dh_pre,
+                               const TensorRef& dh_post, const TensorRef& dh_res,
+                               const TensorRef& x, const TensorRef& partials, const Params& params,
+                               const MutableTensorRef& dx, const ParamGrads& grads);
+
 }  // namespace mhc::detail
