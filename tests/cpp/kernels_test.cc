@@ -1,4 +1,5 @@
-// Every output and gradient of the fused CPU kernels against the float64 reference
+// Every output and gradient of one backend's fused kernels (backend.h: the CPU ones in mhc_tests,
+// the CUDA ones in mhc_cuda_tests) against the float64 reference
 // (spec: Accuracy): relative norm error <= 1e-5 for f32, <= 1e-2 when bf16 is involved; outputs
 // poisoned with NaN before each call; random alpha of order 1 and random bias.
 //
@@ -17,6 +18,7 @@
 #include <limits>
 #include <tuple>
 
+#include "backend.h"
 #include "test_util.h"
 
 namespace mhc::test {
@@ -58,6 +60,8 @@ std::vector<Case> all_cases() {
 class KernelsVsReference : public testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
+    if (!backend().available())
+      GTEST_SKIP() << "no device for the " << backend().name << " backend";
     const Case& c = GetParam();
     config.n = c.n;
     config.dim = c.D;
@@ -141,8 +145,8 @@ TEST_P(KernelsVsReference, PreForward) {
   HostTensor layer_in(c.x_dtype, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
       h_res(DType::f32, {T, n, n});
   for (HostTensor* out : {&layer_in, &h_pre, &h_post, &h_res}) out->poison();
-  pre_forward(config, x.ref(), host_params.view(),
-              PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+  backend().pre_forward(config, x.ref(), host_params.view(),
+                        PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   const reference::PreForward want = reference::pre_forward(config, x.to_double(), params);
   auto rerun = [&] {
     return reference::pre_forward(config, perturb(x.to_double()), perturb(params));
@@ -172,7 +176,7 @@ TEST_P(KernelsVsReference, PostForward) {
   HostTensor h_res = activation(DType::f32, {T, n, n});
   HostTensor out(c.x_dtype, {T, n, D});
   out.poison();
-  post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
+  backend().post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
   auto rerun = [&] {
     return reference::post_forward(config, perturb(x.to_double()), perturb(layer_out.to_double()),
                                    perturb(h_post.to_double()), perturb(h_res.to_double()));
@@ -194,7 +198,7 @@ TEST_P(KernelsVsReference, PostBackward) {
   HostTensor dx_partial(c.x_dtype, {T, n, D}), dlayer_out(c.layer_out_dtype, {T, D}),
       dh_post(DType::f32, {T, n}), dh_res(DType::f32, {T, n, n});
   for (HostTensor* out : {&dx_partial, &dlayer_out, &dh_post, &dh_res}) out->poison();
-  post_backward(
+  backend().post_backward(
       config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
       PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
   const reference::PostBackward want =
@@ -227,8 +231,8 @@ TEST_P(KernelsVsReference, PreBackward) {
   HostGrads grads(config);
   dx.poison();
   grads.poison();
-  pre_backward(config, dlayer_in.ref(), dx_partial.ref(), dh_post.ref(), dh_res.ref(), x.ref(),
-               host_params.view(), dx.mut(), grads.view());
+  backend().pre_backward(config, dlayer_in.ref(), dx_partial.ref(), dh_post.ref(), dh_res.ref(),
+                         x.ref(), host_params.view(), dx.mut(), grads.view());
   const reference::PreBackward want =
       reference::pre_backward(config, dlayer_in.to_double(), dx_partial.to_double(),
                               dh_post.to_double(), dh_res.to_double(), x.to_double(), params);
@@ -261,22 +265,22 @@ TEST_P(WholeSublayerVsReference, ForwardAndBackward) {
   HostParams host_params(config, params);
   HostTensor layer_in(c.x_dtype, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
       h_res(DType::f32, {T, n, n});
-  pre_forward(config, x.ref(), host_params.view(),
-              PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+  backend().pre_forward(config, x.ref(), host_params.view(),
+                        PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   HostTensor layer_out = activation(c.layer_out_dtype, {T, D});
   HostTensor out(c.x_dtype, {T, n, D});
-  post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
+  backend().post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
   HostTensor g = activation(c.x_dtype, {T, n, D});
   HostTensor dx_partial(c.x_dtype, {T, n, D}), dlayer_out(c.layer_out_dtype, {T, D}),
       dh_post(DType::f32, {T, n}), dh_res(DType::f32, {T, n, n});
-  post_backward(
+  backend().post_backward(
       config, g.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
       PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
   HostTensor dlayer_in = activation(c.x_dtype, {T, D});
   HostTensor dx(c.x_dtype, {T, n, D});
   HostGrads grads(config);
-  pre_backward(config, dlayer_in.ref(), dx_partial.ref(), dh_post.ref(), dh_res.ref(), x.ref(),
-               host_params.view(), dx.mut(), grads.view());
+  backend().pre_backward(config, dlayer_in.ref(), dx_partial.ref(), dh_post.ref(), dh_res.ref(),
+                         x.ref(), host_params.view(), dx.mut(), grads.view());
 
   struct Chain {
     Vec out, dlayer_out;
@@ -328,6 +332,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, WholeSublayerVsReference, testing::ValuesIn(cha
 
 // Hidden sizes of real models and sizes around the 8-lane vector width and the 64-column block.
 TEST(KernelsVsReferenceWidths, BoundarySizes) {
+  if (!backend().available()) GTEST_SKIP() << "no device for the " << backend().name << " backend";
   for (int64_t D : {8, 9, 15, 16, 17, 63, 64, 65, 1280}) {
     Config config;
     config.n = 4;
@@ -346,8 +351,8 @@ TEST(KernelsVsReferenceWidths, BoundarySizes) {
     HostGrads grads(config);
     dx.poison();
     grads.poison();
-    pre_backward(config, dli.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(), host_params.view(),
-                 dx.mut(), grads.view());
+    backend().pre_backward(config, dli.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(),
+                           host_params.view(), dx.mut(), grads.view());
     const reference::PreBackward want =
         reference::pre_backward(config, dli.to_double(), dxp.to_double(), dhp.to_double(),
                                 dhr.to_double(), x.to_double(), params);

@@ -1,0 +1,62 @@
+// mhc/cuda.h: the four mHC operations on an NVIDIA GPU (built for sm_80 and sm_90).
+//
+// Same semantics, shapes, dtypes and argument checks as mhc/ops.h; every pointer in the views is
+// device memory (or memory the device can address). Each call enqueues its kernels on `stream`
+// and returns: it never synchronizes and never allocates. Scratch memory comes from the caller as
+// a Workspace of at least *_workspace_bytes(config, T) bytes, aligned to 256 bytes, which the call
+// may overwrite and which must not be touched until the stream has passed the call.
+//
+// Determinism: every result, parameter gradients included, is bitwise identical run to run for
+// the same shapes on the same GPU. Partial sums are indexed by data tile (token group, slice of
+// n*D), never by block scheduling, and summed in a fixed order; no floating-point atomics.
+//
+// Errors: bad arguments throw mhc::Error before anything is enqueued (the same checks and messages
+// as the CPU operations, with "mhc::cuda::" in front). A failed launch throws mhc::Error naming
+// the CUDA error; an earlier asynchronous error on the stream can surface here too.
+//
+// STATUS: compiled and linked in CI, not yet run on a GPU (see README, "Support").
+#pragma once
+
+#include <cstdint>
+
+#include "mhc/config.h"
+#include "mhc/ops.h"
+#include "mhc/tensor.h"
+
+struct CUstream_st;  // cudaStream_t is CUstream_st*; callers need not include the CUDA headers
+
+namespace mhc::cuda {
+
+using Stream = CUstream_st*;
+
+// Caller-owned device scratch memory.
+struct Workspace {
+  void* data = nullptr;
+  int64_t bytes = 0;
+};
+
+// Bytes of workspace each operation needs for T tokens (0 for the post operations, which need
+// none). Depends on the config and T only.
+int64_t pre_forward_workspace_bytes(const Config& config, int64_t tokens);
+int64_t pre_backward_workspace_bytes(const Config& config, int64_t tokens);
+
+void pre_forward(const Config& config, const TensorRef& x, const Params& params,
+                 const PreForwardOutputs& outputs, const Workspace& workspace, Stream stream);
+
+void post_forward(const Config& config, const TensorRef& x, const TensorRef& layer_out,
+                  const TensorRef& h_post, const TensorRef& h_res, const MutableTensorRef& out,
+                  Stream stream);
+
+void post_backward(const Config& config, const TensorRef& g, const TensorRef& x,
+                   const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                   const PostBackwardOutputs& outputs, Stream stream);
+
+void pre_backward(const Config& config, const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                  const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                  const Params& params, const MutableTensorRef& dx, const ParamGrads& grads,
+                  const Workspace& workspace, Stream stream);
+
+// True when the CUDA runtime finds at least one device this build can run on.
+bool device_available();
+
+}  // namespace mhc::cuda

@@ -1,0 +1,197 @@
+// The public operations of mhc/cuda.h: the same argument checks as the CPU operations, the
+// workspace carved into the kernels' scratch, then the launches on the caller's stream.
+//
+// pre_forward:   projection partials -> per-token coefficients -> pre-apply
+// post_forward:  one streaming kernel
+// post_backward: one streaming kernel (dh_post, dh_res reduced per token in the block)
+// pre_backward:  projection partials, dh_pre -> per-token coefficient backward (dP, the x
+//                coefficient, h_pre, dbias/dalpha terms) -> dx (input gradient with the pre-apply
+//                and RMS terms in its epilogue) -> weight-gradient partials per token group ->
+//                fixed-order sums of the partials and terms
+//
+// STATUS: compiled in CI; not yet run on a GPU.
+#include "common.cuh"
+#include "kernels.h"
+#include "mhc/cuda.h"
+
+namespace mhc::cuda {
+
+namespace {
+
+constexpr int64_t kAlignment = 256;
+
+// Hands out aligned pieces of the workspace in order; with a null base it only counts bytes.
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  template <class T>
+  T* take(int64_t count) {
+    T* piece = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + used_);
+    used_ += round_up(count * static_cast<int64_t>(sizeof(T)), kAlignment);
+    return piece;
+  }
+  int64_t used() const { return used_; }
+
+ private:
+  char* base_;
+  int64_t used_ = 0;
+};
+
+struct PreForwardScratch {
+  ProjectionSplit split;
+  CoefficientSlots slots;
+  float* partials;
+  double* coefficient_scratch;
+};
+
+PreForwardScratch carve_pre_forward(const Config& config, const detail::Dims& d, Carver& carver) {
+  PreForwardScratch w;
+  w.split = projection_split(d);
+  w.slots = forward_coefficient_slots(config, d.T);
+  w.partials = carver.take<float>(w.split.slices * d.T * (d.N + 1));
+  w.coefficient_scratch = carver.take<double>(w.slots.threads * w.slots.doubles_per_thread);
+  return w;
+}
+
+struct PreBackwardScratch {
+  ProjectionSplit split;
+  CoefficientSlots slots;
+  float* partials;
+  float* dh_pre;
+  TokenGrads token;
+  double* term_group_sums;
+  float* weight_partials;
+  double* coefficient_scratch;
+};
+
+PreBackwardScratch carve_pre_backward(const Config& config, const detail::Dims& d, Carver& carver) {
+  PreBackwardScratch w;
+  w.split = projection_split(d);
+  w.slots = backward_coefficient_slots(config, d.T);
+  w.partials = carver.take<float>(w.split.slices * d.T * (d.N + 1));
+  w.dh_pre = carver.take<float>(d.T * d.n);
+  w.token.dP = carver.take<float>(d.T * d.N);
+  w.token.x_coef = carver.take<float>(d.T);
+  w.token.h_pre = carver.take<float>(d.T * d.n);
+  w.token.terms = carver.take<double>(d.T * (d.N + 3));
+  w.term_group_sums = carver.take<double>(ceil_div(d.T, kTermTokens) * (d.N + 3));
+  w.weight_partials = carver.take<float>(weight_grad_groups(d.T) * d.M * d.N);
+  w.coefficient_scratch = carver.take<double>(w.slots.threads * w.slots.doubles_per_thread);
+  return w;
+}
+
+detail::Dims dims_for(const char* op, const Config& config, int64_t tokens) {
+  if (tokens < 0) throw Error(op, "tokens", "expected T >= 0, got " + std::to_string(tokens));
+  detail::Dims d = detail::ArgumentChecker(op, config).dims();
+  d.T = tokens;
+  return d;
+}
+
+void check_workspace(const char* op, const Workspace& workspace, int64_t needed,
+                     const char* size_function) {
+  if (workspace.bytes < needed) {
+    throw Error(op, "workspace",
+                "expected at least " + std::to_string(needed) + " bytes (" + size_function +
+                    "), got " + std::to_string(workspace.bytes));
+  }
+  if (needed > 0 && workspace.data == nullptr) {
+    throw Error(op, "workspace", "expected non-null data for " + std::to_string(needed) + " bytes");
+  }
+  if (reinterpret_cast<uintptr_t>(workspace.data) % kAlignment != 0) {
+    throw Error(op, "workspace", "expected data aligned to 256 bytes");
+  }
+}
+
+const float* f32(const TensorRef& view) { return static_cast<const float*>(view.data); }
+float* f32(const MutableTensorRef& view) { return static_cast<float*>(view.data); }
+
+}  // namespace
+
+int64_t pre_forward_workspace_bytes(const Config& config, int64_t tokens) {
+  const detail::Dims d = dims_for("mhc::cuda::pre_forward_workspace_bytes", config, tokens);
+  Carver counter(nullptr);
+  carve_pre_forward(config, d, counter);
+  return counter.used();
+}
+
+int64_t pre_backward_workspace_bytes(const Config& config, int64_t tokens) {
+  const detail::Dims d = dims_for("mhc::cuda::pre_backward_workspace_bytes", config, tokens);
+  Carver counter(nullptr);
+  carve_pre_backward(config, d, counter);
+  return counter.used();
+}
+
+void pre_forward(const Config& config, const TensorRef& x, const Params& params,
+                 const PreForwardOutputs& outputs, const Workspace& workspace, Stream stream) {
+  const char* op = "mhc::cuda::pre_forward";
+  const detail::Dims d = detail::check_pre_forward(op, config, x, params, outputs);
+  check_workspace(op, workspace, pre_forward_workspace_bytes(config, d.T),
+                  "mhc::cuda::pre_forward_workspace_bytes");
+  if (d.T == 0) return;
+  Carver carver(workspace.data);
+  const PreForwardScratch w = carve_pre_forward(config, d, carver);
+  launch_projection(d, w.split, x, f32(params.norm_weight), f32(params.phi), w.partials, stream);
+  launch_forward_coefficients(config, d, w.split, w.partials, f32(params.alpha), f32(params.bias),
+                              f32(outputs.h_pre), f32(outputs.h_post), f32(outputs.h_res), w.slots,
+                              w.coefficient_scratch, stream);
+  launch_pre_apply(d, x, f32(outputs.h_pre), outputs.layer_in, stream);
+  check_launch(op, "kernels");
+}
+
+void post_forward(const Config& config, const TensorRef& x, const TensorRef& layer_out,
+                  const TensorRef& h_post, const TensorRef& h_res, const MutableTensorRef& out,
+                  Stream stream) {
+  const char* op = "mhc::cuda::post_forward";
+  const detail::Dims d = detail::check_post_forward(op, config, x, layer_out, h_post, h_res, out);
+  if (d.T == 0) return;
+  launch_post_forward(d, x, layer_out, h_post, h_res, out, stream);
+  check_launch(op, "kernels");
+}
+
+void post_backward(const Config& config, const TensorRef& g, const TensorRef& x,
+                   const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                   const PostBackwardOutputs& outputs, Stream stream) {
+  const char* op = "mhc::cuda::post_backward";
+  const detail::Dims d =
+      detail::check_post_backward(op, config, g, x, layer_out, h_post, h_res, outputs);
+  if (d.T == 0) return;
+  launch_post_backward(d, g, x, layer_out, h_post, h_res, outputs, stream);
+  check_launch(op, "kernels");
+}
+
+void pre_backward(const Config& config, const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                  const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                  const Params& params, const MutableTensorRef& dx, const ParamGrads& grads,
+                  const Workspace& workspace, Stream stream) {
+  const char* op = "mhc::cuda::pre_backward";
+  const detail::Dims d = detail::check_pre_backward(op, config, dlayer_in, dx_partial, dh_post,
+                                                    dh_res, x, params, dx, grads);
+  check_workspace(op, workspace, pre_backward_workspace_bytes(config, d.T),
+                  "mhc::cuda::pre_backward_workspace_bytes");
+  Carver carver(workspace.data);
+  const PreBackwardScratch w = carve_pre_backward(config, d, carver);
+  launch_projection(d, w.split, x, f32(params.norm_weight), f32(params.phi), w.partials, stream);
+  launch_dh_pre(d, dlayer_in, x, w.dh_pre, stream);
+  launch_backward_coefficients(config, d, w.split, w.partials, w.dh_pre, f32(dh_post), f32(dh_res),
+                               f32(params.alpha), f32(params.bias), w.token, w.slots,
+                               w.coefficient_scratch, stream);
+  launch_input_grad(d, x, dlayer_in, dx_partial, w.token.h_pre, w.token.x_coef, w.token.dP,
+                    f32(params.norm_weight), f32(params.phi), dx, stream);
+  launch_weight_grad(d, x, w.token.dP, w.weight_partials, stream);
+  // These two run for T = 0 as well: they write the zero gradients.
+  launch_weight_grad_finish(d, w.weight_partials, f32(params.norm_weight), f32(params.phi),
+                            f32(grads.phi), f32(grads.norm_weight), stream);
+  launch_term_sums(d, w.token.terms, w.term_group_sums, f32(grads.bias), f32(grads.alpha), stream);
+  check_launch(op, "kernels");
+}
+
+bool device_available() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error for later calls
+    return false;
+  }
+  return count > 0;
+}
+
+}  // namespace mhc::cuda

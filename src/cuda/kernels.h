@@ -1,0 +1,109 @@
+// Host-side launchers of the CUDA kernels behind mhc/cuda.h. Arguments arrive validated
+// (src/core/validate.h); each launcher enqueues on `stream`, returns at once for T == 0, and
+// leaves error checking to the caller (check_launch after the operation's last launch).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../core/validate.h"
+#include "mhc/config.h"
+#include "mhc/ops.h"
+
+namespace mhc::cuda {
+
+// --- streaming kernels (streams.cu) ---
+void launch_pre_apply(const detail::Dims& d, const TensorRef& x, const float* h_pre,
+                      const MutableTensorRef& layer_in, cudaStream_t stream);
+void launch_post_forward(const detail::Dims& d, const TensorRef& x, const TensorRef& layer_out,
+                         const TensorRef& h_post, const TensorRef& h_res,
+                         const MutableTensorRef& out, cudaStream_t stream);
+void launch_post_backward(const detail::Dims& d, const TensorRef& g, const TensorRef& x,
+                          const TensorRef& layer_out, const TensorRef& h_post,
+                          const TensorRef& h_res, const PostBackwardOutputs& outputs,
+                          cudaStream_t stream);
+void launch_dh_pre(const detail::Dims& d, const TensorRef& dlayer_in, const TensorRef& x,
+                   float* dh_pre, cudaStream_t stream);
+
+// --- the three products with phi (gemm.cu) ---
+
+// How the projection's sum over n*D is split across blocks: slices of `slice_width` columns of
+// x (a multiple of the tile depth), `slices` of them. Chosen from the shapes alone, so results do
+// not depend on the GPU.
+struct ProjectionSplit {
+  int64_t slices = 1;
+  int64_t slice_width = 0;
+};
+ProjectionSplit projection_split(const detail::Dims& d);
+
+// partials [slices, T, N+1]: per slice of n*D, P[t, c] without r for c < N, and the sum of
+// squares of x at c = N (spec: Forward steps 1-2).
+void launch_projection(const detail::Dims& d, const ProjectionSplit& split, const TensorRef& x,
+                       const float* norm_weight, const float* phi, float* partials,
+                       cudaStream_t stream);
+
+// Tokens per weight-gradient partial: dphi is summed over fixed groups of this many tokens,
+// then over the groups in order.
+inline constexpr int64_t kWeightGradTokens = 2048;
+inline int64_t weight_grad_groups(int64_t T) {
+  return (T + kWeightGradTokens - 1) / kWeightGradTokens;
+}
+
+// group_partials [groups, M, N]: sum over the group's tokens of x[t, m] dP[t, c].
+void launch_weight_grad(const detail::Dims& d, const TensorRef& x, const float* dP,
+                        float* group_partials, cudaStream_t stream);
+// dphi[m, c] = norm_weight[m] G[m, c] and dnorm_weight[m] = sum_c phi[m, c] G[m, c], with G the
+// groups' partials summed in order.
+void launch_weight_grad_finish(const detail::Dims& d, const float* group_partials,
+                               const float* norm_weight, const float* phi, float* dphi,
+                               float* dnorm_weight, cudaStream_t stream);
+
+// dx[t, k*D+d] = dx_partial + h_pre[t,k] dlayer_in[t,d] + x_coef[t] x[t, k*D+d]
+//               + sum_c dP[t, c] norm_weight[k*D+d] phi[k*D+d, c]
+void launch_input_grad(const detail::Dims& d, const TensorRef& x, const TensorRef& dlayer_in,
+                       const TensorRef& dx_partial, const float* h_pre, const float* x_coef,
+                       const float* dP, const float* norm_weight, const float* phi,
+                       const MutableTensorRef& dx, cudaStream_t stream);
+
+// --- per-token coefficient math (coefficients.cu) ---
+
+// Threads of a coefficient kernel and the doubles of scratch each one owns.
+struct CoefficientSlots {
+  int64_t threads = 0;
+  int64_t doubles_per_thread = 0;
+  int64_t bytes() const { return threads * doubles_per_thread * 8; }
+};
+CoefficientSlots forward_coefficient_slots(const Config& config, int64_t T);
+CoefficientSlots backward_coefficient_slots(const Config& config, int64_t T);
+
+// From the projection partials: h_pre, h_post, h_res (spec: Forward steps 1, 3-5).
+void launch_forward_coefficients(const Config& config, const detail::Dims& d,
+                                 const ProjectionSplit& split, const float* partials,
+                                 const float* alpha, const float* bias, float* h_pre, float* h_post,
+                                 float* h_res, const CoefficientSlots& slots, double* scratch,
+                                 cudaStream_t stream);
+
+// Per-token outputs of the coefficient backward.
+struct TokenGrads {
+  float* dP;      // [T, N]: dL/dP
+  float* x_coef;  // [T]: -dr r^3 / M, the coefficient of x in dx
+  float* h_pre;   // [T, n]: the recomputed gate, for the pre-apply gradient
+  double* terms;  // [T, N+3]: da[c] (the dbias terms) then sum over each group of da Z
+};
+// From the projection partials and dh_pre, dh_post, dh_res (spec: Backward, gates to dP).
+void launch_backward_coefficients(const Config& config, const detail::Dims& d,
+                                  const ProjectionSplit& split, const float* partials,
+                                  const float* dh_pre, const float* dh_post, const float* dh_res,
+                                  const float* alpha, const float* bias, const TokenGrads& out,
+                                  const CoefficientSlots& slots, double* scratch,
+                                  cudaStream_t stream);
+
+// Tokens per first-level block of the dbias / dalpha reduction.
+inline constexpr int64_t kTermTokens = 1024;
+// dbias [N] and dalpha [3] from the per-token terms, summed in a fixed order through
+// group_sums [ceil(T / kTermTokens), N+3] doubles.
+void launch_term_sums(const detail::Dims& d, const double* terms, double* group_sums, float* dbias,
+                      float* dalpha, cudaStream_t stream);
+
+}  // namespace mhc::cuda
