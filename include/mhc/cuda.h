@@ -59,4 +59,9 @@ void pre_backward(const Config& config, const TensorRef& dlayer_in, const Tensor
 // True when the CUDA runtime finds at least one device this build can run on.
 bool device_available();
 
+// The bandwidth limit of the spec's roofline on the current device: read + write bytes per second
+// (in GB/s) of a device-to-device copy of `bytes`, the median of `repeats` timed by CUDA events.
+// Allocates and frees its buffers and synchronizes: a measurement, not for the hot path.
+double copy_bandwidth_gbs(int64_t bytes = int64_t{1} << 30, int repeats = 10);
+
 }  // namespace mhc::cuda

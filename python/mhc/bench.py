@@ -214,8 +214,22 @@ def _measure_memory(s: Shape, use_kernel: bool) -> dict:
 
 
 def machine_info(threads: int) -> dict:
-    from mhc import _mhc_cpu
+    import jax
 
+    from mhc import _ffi, _mhc_cpu
+
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    device = jax.devices()[0]
+    if device.platform == "gpu" and _ffi._mhc_cuda is not None:
+        # The GPU roofline here is the copy bandwidth alone; no compute ceiling is measured.
+        return {
+            "cpu": device.device_kind,
+            "threads": 0,
+            "simd": "cuda",
+            "copy_gbs": _ffi._mhc_cuda.copy_bandwidth_gbs(1 << 30, 10),
+            "fma_peak_gflops": None,
+            "date": date,
+        }
     model = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -228,7 +242,7 @@ def machine_info(threads: int) -> dict:
         "simd": _mhc_cpu.widest_simd(),
         "copy_gbs": _mhc_cpu.copy_bandwidth_gbs(256 << 20, threads),
         "fma_peak_gflops": _mhc_cpu.fma_peak_gflops(threads),
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "date": date,
     }
 
 
@@ -258,7 +272,8 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                 times[use_kernel] = _median_seconds(function, args, repeats)
             nbytes, flops = minimum_bytes(op, s), flop_count(op, s)
             memory_floor = nbytes / (machine["copy_gbs"] * 1e9)
-            compute_floor = flops / (machine["fma_peak_gflops"] * 1e9)
+            peak = machine["fma_peak_gflops"]
+            compute_floor = flops / (peak * 1e9) if peak is not None else 0.0
             floor = max(memory_floor, compute_floor)
             rows.append(
                 {
@@ -270,9 +285,7 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                     "kernel_gbs": nbytes / times[True] / 1e9,
                     "kernel_gflops": flops / times[True] / 1e9,
                     "roofline_floor_ms": floor * 1e3,
-                    "bound": "memory"
-                    if nbytes / machine["copy_gbs"] >= flops / machine["fma_peak_gflops"]
-                    else "compute",
+                    "bound": "memory" if memory_floor >= compute_floor else "compute",
                     "roofline_fraction": floor / times[True],
                 }
             )
@@ -292,7 +305,12 @@ def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [
         f"{m['cpu']}, {m['threads']} threads, {m['simd']}: copy {m['copy_gbs']:.1f} GB/s, "
-        f"FMA peak {m['fma_peak_gflops']:.1f} GFLOP/s ({m['date']}; medians of {result['repeats']})",
+        + (
+            f"FMA peak {m['fma_peak_gflops']:.1f} GFLOP/s"
+            if m["fma_peak_gflops"] is not None
+            else "compute ceiling not measured (GPU: floor = bytes / copy bandwidth)"
+        )
+        + f" ({m['date']}; medians of {result['repeats']})",
         "",
         f"{'shape':<26} {'op':<17} {'kernel ms':>10} {'plain ms':>10} {'speedup':>8} {'GB/s':>7} "
         f"{'GFLOP/s':>8} {'floor ms':>9} {'bound':>8} {'roofline':>9}",

@@ -10,6 +10,9 @@
 //                fixed-order sums of the partials and terms
 //
 // STATUS: compiled in CI; not yet run on a GPU.
+#include <algorithm>
+#include <vector>
+
 #include "common.cuh"
 #include "kernels.h"
 #include "mhc/cuda.h"
@@ -192,6 +195,47 @@ bool device_available() {
     return false;
   }
   return count > 0;
+}
+
+double copy_bandwidth_gbs(int64_t bytes, int repeats) {
+  const char* op = "mhc::cuda::copy_bandwidth_gbs";
+  if (bytes < 1) throw Error(op, "bytes", "expected >= 1, got " + std::to_string(bytes));
+  if (repeats < 1) throw Error(op, "repeats", "expected >= 1, got " + std::to_string(repeats));
+  auto check = [&](cudaError_t status, const char* what) {
+    if (status != cudaSuccess) throw Error(op, what, cudaGetErrorString(status));
+  };
+  void *from = nullptr, *to = nullptr;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  std::vector<float> times;
+  try {
+    check(cudaMalloc(&from, static_cast<size_t>(bytes)), "cudaMalloc");
+    check(cudaMalloc(&to, static_cast<size_t>(bytes)), "cudaMalloc");
+    check(cudaEventCreate(&start), "cudaEventCreate");
+    check(cudaEventCreate(&stop), "cudaEventCreate");
+    for (int i = -2; i < repeats; ++i) {  // two warm-up copies
+      check(cudaEventRecord(start), "cudaEventRecord");
+      check(cudaMemcpyAsync(to, from, static_cast<size_t>(bytes), cudaMemcpyDeviceToDevice),
+            "cudaMemcpyAsync");
+      check(cudaEventRecord(stop), "cudaEventRecord");
+      check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+      float ms = 0.0f;
+      check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+      if (i >= 0) times.push_back(ms);
+    }
+  } catch (...) {
+    cudaFree(from);
+    cudaFree(to);
+    if (start != nullptr) cudaEventDestroy(start);
+    if (stop != nullptr) cudaEventDestroy(stop);
+    throw;
+  }
+  cudaFree(from);
+  cudaFree(to);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  const double ms = times[times.size() / 2];
+  return 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
 }
 
 }  // namespace mhc::cuda
