@@ -44,7 +44,8 @@ stage() {
   ((limit > left)) && limit=$left
   local start rc
   start=$(date +%s)
-  timeout --kill-after=5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+  # bash -c: the stages are shell functions (exported below), which timeout cannot run itself.
+  timeout --kill-after=5 "$limit" bash -c '"$@"' _ "$@" >"$OUT/$name.log" 2>&1
   rc=$?
   local took=$(($(date +%s) - start))
   echo "== $name: exit $rc after ${took}s"
@@ -99,6 +100,9 @@ python_package() {
     -C cmake.define.MHC_WERROR=OFF -C build-dir=build-gpu-python . &&
     "$PY" -c "from mhc import _ffi; print('CUDA targets', _ffi.CUDA_TARGETS)"
 }
+
+export OUT ARCH JOBS PY
+export -f info build device_tests sanitize python_package
 
 stage info 60 info
 if stage build 240 build; then

@@ -19,7 +19,8 @@ namespace mhc::cuda {
 namespace {
 
 constexpr int kCoefficientThreads = 128;
-// Scratch a coefficient kernel may use; its threads loop over the tokens when T needs more.
+// Scratch a coefficient kernel may use; its threads loop over the tokens when T needs more. At
+// least 32 threads (one warp), so n = 16 with 10000 Sinkhorn iterations needs about 80 MB.
 constexpr int64_t kScratchBudget = int64_t{64} << 20;
 
 struct Shape {
@@ -201,7 +202,7 @@ int64_t backward_doubles(const Shape& s) {
 CoefficientSlots slots_for(int64_t T, int64_t doubles) {
   CoefficientSlots slots;
   slots.doubles_per_thread = doubles;
-  const int64_t capacity = std::clamp<int64_t>(kScratchBudget / (doubles * 8), 1024, 65536);
+  const int64_t capacity = std::clamp<int64_t>(kScratchBudget / (doubles * 8), 32, 65536);
   slots.threads = std::min(T, capacity);
   return slots;
 }

@@ -3,8 +3,9 @@
 // n = 4) and share one shared-memory tile scheme: 64 x 32 outputs per block of 256 threads, 4 x 2
 // per thread, depth 32 per step.
 //
-// Precision: f32 products and sums within a block's slice; slices and token groups are summed
-// later in double (coefficients.cu, launch_weight_grad_finish).
+// Precision: f32 products summed in f32 over one 32-deep step, then the steps in double, so a
+// block's sum over thousands of terms keeps f32 accuracy; slices and token groups are summed later
+// in double (coefficients.cu, launch_weight_grad_finish).
 //
 // STATUS: compiled in CI; not yet run on a GPU. Tensor cores (mma.sync / wgmma) are the next
 // step once these have been verified and measured on a device.
@@ -42,6 +43,18 @@ __device__ __forceinline__ void multiply(const Tiles& s, float (&acc)[4][2]) {
   }
 }
 
+// total += acc, then acc = 0: one step's f32 sums folded into the double totals.
+__device__ __forceinline__ void fold(float (&acc)[4][2], double (&total)[4][2]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      total[i][j] += acc[i][j];
+      acc[i][j] = 0.0f;
+    }
+  }
+}
+
 __device__ __forceinline__ int out_row(int i) { return (threadIdx.x / 16) * 4 + i; }
 __device__ __forceinline__ int out_col(int j) { return (threadIdx.x % 16) * 2 + j; }
 
@@ -66,15 +79,18 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int b_k = tid / 8, b_c = (tid % 8) * 4;    // 4 consecutive phi values of one row
   const int64_t t_load = t0 + a_row;
   float acc[4][2] = {};
-  float squares = 0.0f;
+  double total[4][2] = {};
+  double squares = 0.0;
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kDepth) {
+    float step_squares = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int64_t k = k0 + a_k + j;
       const float v = t_load < T && k < k_end ? to_f32(x[t_load * M + k]) : 0.0f;
-      squares = fmaf(v, v, squares);
+      step_squares = fmaf(v, v, step_squares);
       s.a[a_k + j][a_row] = v;
     }
+    squares += step_squares;
     const int64_t kb = k0 + b_k;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -83,6 +99,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     __syncthreads();
     multiply(s, acc);
+    fold(acc, total);
     __syncthreads();
   }
   // The four threads of a token hold its squares: a butterfly gives all four the same sum.
@@ -96,16 +113,18 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int64_t c = c0 + out_col(j);
-      if (t < T && c < N) out[t * (N + 1) + c] = acc[i][j];
+      if (t < T && c < N) out[t * (N + 1) + c] = static_cast<float>(total[i][j]);
     }
   }
-  if (tile_c == 0 && tid % 4 == 0 && t_load < T) out[t_load * (N + 1) + N] = squares;
+  if (tile_c == 0 && tid % 4 == 0 && t_load < T) {
+    out[t_load * (N + 1) + N] = static_cast<float>(squares);
+  }
 }
 
 template <class X>
 __global__ void __launch_bounds__(kBlockThreads)
     weight_grad_kernel(const X* __restrict__ x, const float* __restrict__ dP, int64_t T, int64_t M,
-                       int N, int64_t m_tiles, int64_t col_tiles,
+                       int N, int64_t group_tokens, int64_t m_tiles, int64_t col_tiles,
                        float* __restrict__ group_partials) {
   __shared__ __align__(16) Tiles s;
   int64_t block = blockIdx.x;
@@ -114,13 +133,14 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t tile_c = block % col_tiles;
   const int64_t group = block / col_tiles;
   const int64_t m0 = tile_m * kRows, c0 = tile_c * kCols;
-  const int64_t t_begin = group * kWeightGradTokens;
-  const int64_t t_end = min(T, t_begin + kWeightGradTokens);
+  const int64_t t_begin = group * group_tokens;
+  const int64_t t_end = min(T, t_begin + group_tokens);
 
   const int tid = threadIdx.x;
   const int a_k = tid / 8, a_m = (tid % 8) * 8;  // 8 consecutive x values of one token
   const int b_k = tid / 8, b_c = (tid % 8) * 4;  // 4 consecutive dP values of one token
   float acc[4][2] = {};
+  double total[4][2] = {};
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kDepth) {
     const int64_t ta = t0 + a_k;
 #pragma unroll
@@ -136,6 +156,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     __syncthreads();
     multiply(s, acc);
+    fold(acc, total);
     __syncthreads();
   }
   float* out = group_partials + group * M * N;
@@ -145,7 +166,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int64_t c = c0 + out_col(j);
-      if (m < M && c < N) out[m * N + c] = acc[i][j];
+      if (m < M && c < N) out[m * N + c] = static_cast<float>(total[i][j]);
     }
   }
 }
@@ -261,8 +282,8 @@ void launch_weight_grad(const detail::Dims& d, const TensorRef& x, const float* 
     using X = decltype(x_type);
     weight_grad_kernel<X>
         <<<grid_size(m_tiles * col_tiles * weight_grad_groups(d.T)), kBlockThreads, 0, stream>>>(
-            static_cast<const X*>(x.data), dP, d.T, d.M, static_cast<int>(d.N), m_tiles, col_tiles,
-            group_partials);
+            static_cast<const X*>(x.data), dP, d.T, d.M, static_cast<int>(d.N),
+            weight_grad_group_tokens(d.T), m_tiles, col_tiles, group_partials);
   });
 }
 

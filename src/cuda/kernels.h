@@ -43,11 +43,19 @@ void launch_projection(const detail::Dims& d, const ProjectionSplit& split, cons
                        const float* norm_weight, const float* phi, float* partials,
                        cudaStream_t stream);
 
-// Tokens per weight-gradient partial: dphi is summed over fixed groups of this many tokens,
-// then over the groups in order.
-inline constexpr int64_t kWeightGradTokens = 2048;
+// dphi is summed over fixed groups of tokens, then over the groups in order. At most
+// kMaxWeightGradGroups groups (their partials are groups * M * N floats of workspace), each a
+// multiple of 32 tokens and at least kMinWeightGradTokens.
+inline constexpr int64_t kMinWeightGradTokens = 2048;
+inline constexpr int64_t kMaxWeightGradGroups = 32;
+inline int64_t weight_grad_group_tokens(int64_t T) {
+  const int64_t spread = (T + kMaxWeightGradGroups - 1) / kMaxWeightGradGroups;
+  const int64_t tokens = spread > kMinWeightGradTokens ? spread : kMinWeightGradTokens;
+  return (tokens + 31) / 32 * 32;
+}
 inline int64_t weight_grad_groups(int64_t T) {
-  return (T + kWeightGradTokens - 1) / kWeightGradTokens;
+  const int64_t group = weight_grad_group_tokens(T);
+  return (T + group - 1) / group;
 }
 
 // group_partials [groups, M, N]: sum over the group's tokens of x[t, m] dP[t, c].

@@ -113,7 +113,9 @@ class PoisonedWorkspace {
 cuda::Stream test_stream() {
   static cudaStream_t stream = [] {
     cudaStream_t created = nullptr;
-    check(cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking), "cudaStreamCreate");
+    // A blocking stream: it waits for the setup's cudaMemcpy / cudaMemset on the legacy default
+    // stream, which may still be in flight when they return.
+    check(cudaStreamCreate(&created), "cudaStreamCreate");
     return created;
   }();
   return stream;
