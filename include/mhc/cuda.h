@@ -8,8 +8,9 @@
 //
 // Determinism: every result, parameter gradients included, is bitwise identical run to run for
 // the same shapes on the same GPU, given the same 16-byte alignment of the tensors (cudaMalloc
-// and XLA always give it; the aligned and unaligned paths sum per-token dots in different orders). Partial sums are indexed by data tile (token group, slice of
-// n*D), never by block scheduling, and summed in a fixed order; no floating-point atomics.
+// and XLA always give it; the aligned and unaligned paths sum per-token dots in different orders).
+// Partial sums are indexed by data tile (token group, slice of n*D), never by block scheduling, and
+// summed in a fixed order; no floating-point atomics.
 //
 // Errors: bad arguments throw mhc::Error before anything is enqueued (the same checks and messages
 // as the CPU operations, with "mhc::cuda::" in front). A failed launch throws mhc::Error naming
