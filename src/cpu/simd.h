@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "mhc/tensor.h"
+
 #if defined(__clang__)
 #define MHC_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -56,6 +58,51 @@ MHC_INLINE void add_weighted4(Wide4* acc, double w, const float* p) {
 // p[0:4] = v rounded to f32.
 MHC_INLINE void narrow4(const Wide4* v, float* p) {
   *reinterpret_cast<UnalignedLanes4*>(p) = __builtin_convertvector(*v, Lanes4);
+}
+
+typedef uint16_t Bits8x16 __attribute__((vector_size(16)));
+typedef uint32_t Bits8x32 __attribute__((vector_size(32)));
+typedef uint16_t UnalignedBits8x16 __attribute__((vector_size(16), aligned(2), may_alias));
+
+// Eight bf16 values at p as f32: each is the top half of its f32.
+MHC_INLINE void load_bf16(Lanes8* v, const bf16* p) {
+  const Bits8x16 bits = *reinterpret_cast<const UnalignedBits8x16*>(p);
+  const Bits8x32 wide = __builtin_convertvector(bits, Bits8x32) << 16;
+  *v = (Lanes8)wide;  // NOLINT(google-readability-casting): a vector cast reinterprets the bits
+}
+
+// Eight f32 lanes rounded to bf16 at p: nearest even, NaN kept NaN (as to_bf16 in mhc/tensor.h).
+MHC_INLINE void store_bf16(bf16* p, const Lanes8* v) {
+  const Bits8x32 bits = (Bits8x32)*v;  // NOLINT(google-readability-casting): reinterprets the bits
+  const Bits8x32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const Bits8x32 quiet_nan = (bits >> 16) | 0x40u;
+  const Bits8x32 result = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
+  *reinterpret_cast<UnalignedBits8x16*>(p) = __builtin_convertvector(result, Bits8x16);
+}
+
+// Eight activations of either dtype as f32, and back.
+MHC_INLINE void load_any(Lanes8* v, const float* p) { load(v, p); }
+MHC_INLINE void load_any(Lanes8* v, const bf16* p) { load_bf16(v, p); }
+MHC_INLINE void store_any(float* p, const Lanes8* v) { store(p, v); }
+MHC_INLINE void store_any(bf16* p, const Lanes8* v) { store_bf16(p, v); }
+
+// The eight lanes widened to double, as two halves.
+MHC_INLINE void widen8(const Lanes8* v, Wide4* low, Wide4* high) {
+  *low = __builtin_convertvector(__builtin_shufflevector(*v, *v, 0, 1, 2, 3), Wide4);
+  *high = __builtin_convertvector(__builtin_shufflevector(*v, *v, 4, 5, 6, 7), Wide4);
+}
+
+// The eight lanes rounded to f32.
+MHC_INLINE void narrow8(const Wide4* low, const Wide4* high, Lanes8* v) {
+  const Lanes4 a = __builtin_convertvector(*low, Lanes4);
+  const Lanes4 b = __builtin_convertvector(*high, Lanes4);
+  *v = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+// Fixed-order sum of the eight double lanes.
+MHC_INLINE double sum8(const Wide4* low, const Wide4* high) {
+  const Wide4 s = *low + *high;
+  return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
 }  // namespace mhc::cpu::simd

@@ -241,7 +241,14 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-unsigned grid_size(int64_t blocks) { return static_cast<unsigned>(blocks); }
+// A grid's x extent is at most 2^31 - 1 blocks: larger problems are refused, not truncated.
+unsigned grid_size(int64_t blocks) {
+  if (blocks > int64_t{0x7fffffff}) {
+    throw Error("mhc::cuda", "shape",
+                "needs " + std::to_string(blocks) + " blocks, more than a CUDA grid holds");
+  }
+  return static_cast<unsigned>(blocks);
+}
 
 }  // namespace
 
