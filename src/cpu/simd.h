@@ -71,13 +71,17 @@ MHC_INLINE void load_bf16(Lanes8* v, const bf16* p) {
   *v = (Lanes8)wide;  // NOLINT(google-readability-casting): a vector cast reinterprets the bits
 }
 
-// Eight f32 lanes rounded to bf16 at p: nearest even, NaN kept NaN (as to_bf16 in mhc/tensor.h).
-MHC_INLINE void store_bf16(bf16* p, const Lanes8* v) {
+// Eight f32 lanes rounded to bf16 bits: nearest even, NaN kept NaN (as to_bf16 in mhc/tensor.h).
+MHC_INLINE Bits8x16 bf16_bits(const Lanes8* v) {
   const Bits8x32 bits = (Bits8x32)*v;  // NOLINT(google-readability-casting): reinterprets the bits
   const Bits8x32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
   const Bits8x32 quiet_nan = (bits >> 16) | 0x40u;
   const Bits8x32 result = (bits & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded;
-  *reinterpret_cast<UnalignedBits8x16*>(p) = __builtin_convertvector(result, Bits8x16);
+  return __builtin_convertvector(result, Bits8x16);
+}
+
+MHC_INLINE void store_bf16(bf16* p, const Lanes8* v) {
+  *reinterpret_cast<UnalignedBits8x16*>(p) = bf16_bits(v);
 }
 
 // Eight activations of either dtype as f32, and back.
