@@ -8,6 +8,7 @@
 #   bash scripts/gpu_check.sh --prepare   # here, before the call: copies GoogleTest into .gtest/
 #   bash scripts/gpu_check.sh             # there; carry .gtest (the GPU image has no GoogleTest)
 #
+# The tensor-core projection (opt-in, MHC_CUDA_TENSOR_CORES=1) gets its own test and bench stage.
 # Every stage has a time limit and the script stops starting stages before 9.5 minutes, so the
 # table comes back even when something hangs. GPU_ARCH (default 90) picks the one architecture to
 # build there, to keep the build short.
@@ -108,6 +109,11 @@ stage info 60 info
 if stage build 240 build; then
   stage tests 150 device_tests
   stage bench_cpp 120 ./build-gpu/mhc_cuda_bench --json "$OUT/cuda_bench.json"
+  # The opt-in tensor-core projection (bf16 x): its tests and its timings beside the default.
+  stage tests_tc 120 env MHC_CUDA_TENSOR_CORES=1 ./build-gpu/mhc_cuda_tests --gtest_brief=1 \
+    --gtest_filter='*bf16*:Cuda*'
+  stage bench_tc 90 env MHC_CUDA_TENSOR_CORES=1 ./build-gpu/mhc_cuda_bench \
+    --json "$OUT/cuda_bench_tc.json"
   stage sanitizer 90 sanitize
 fi
 if stage python 200 python_package; then
@@ -126,12 +132,15 @@ out = sys.argv[1]
 def load(name):
     path = os.path.join(out, name)
     return json.load(open(path)) if os.path.exists(path) else None
-cpp, jx = load("cuda_bench.json"), load("jax_bench.json")
+cpp, tc, jx = load("cuda_bench.json"), load("cuda_bench_tc.json"), load("jax_bench.json")
 if cpp:
     print(f"\n== {cpp['device']}: copy {cpp['copy_gbs']:.0f} GB/s; CUDA events, median of {cpp['repeats']}, {cpp['dtype']}, n={cpp['n']}")
-    print(f"{'op':<14} {'T':>6} {'D':>5} {'ms':>9} {'GB/s':>7} {'of copy':>8}")
+    print(f"{'op':<14} {'T':>6} {'D':>5} {'ms':>9} {'GB/s':>7} {'of copy':>8} {'ms (tensor cores)':>18}")
+    tc_ms = {(r["op"], r["tokens"], r["dim"]): r["ms"] for r in (tc or {}).get("rows", [])}
     for r in cpp["rows"]:
-        print(f"{r['op']:<14} {r['tokens']:>6} {r['dim']:>5} {r['ms']:>9.3f} {r['gbs']:>7.0f} {r['copy_fraction']:>8.1%}")
+        other = tc_ms.get((r["op"], r["tokens"], r["dim"]))
+        other = f"{other:>18.3f}" if other is not None else f"{'-':>18}"
+        print(f"{r['op']:<14} {r['tokens']:>6} {r['dim']:>5} {r['ms']:>9.3f} {r['gbs']:>7.0f} {r['copy_fraction']:>8.1%} {other}")
 if jx:
     print(f"\n== jitted sublayer, kernel vs plain JAX (wall clock, median of {jx['repeats']})")
     print(f"{'op':<17} {'T':>6} {'D':>5} {'kernel ms':>10} {'plain ms':>9} {'speedup':>8}")

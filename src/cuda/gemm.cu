@@ -271,6 +271,10 @@ void launch_projection(const detail::Dims& d, const ProjectionSplit& split, cons
                        const float* norm_weight, const float* phi, float* partials,
                        cudaStream_t stream) {
   if (d.T == 0) return;
+  if (tensor_core_projection(x.dtype)) {
+    launch_projection_mma(d, split, x, norm_weight, phi, partials, stream);
+    return;
+  }
   const int64_t token_tiles = ceil_div(d.T, kRows), col_tiles = ceil_div(d.N, kCols);
   with_device_type(x.dtype, [&](auto x_type) {
     using X = decltype(x_type);

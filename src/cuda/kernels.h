@@ -43,6 +43,14 @@ void launch_projection(const detail::Dims& d, const ProjectionSplit& split, cons
                        const float* norm_weight, const float* phi, float* partials,
                        cudaStream_t stream);
 
+// The tensor-core projection (projection_mma.cu): bf16 x only, opt-in with the environment variable
+// MHC_CUDA_TENSOR_CORES=1 (read once) on sm_80 or newer, until it has been verified on a GPU.
+// Same split and the same partials as launch_projection, which dispatches to it.
+bool tensor_core_projection(DType x_dtype);
+void launch_projection_mma(const detail::Dims& d, const ProjectionSplit& split, const TensorRef& x,
+                           const float* norm_weight, const float* phi, float* partials,
+                           cudaStream_t stream);
+
 // dphi is summed over fixed groups of tokens, then over the groups in order. At most
 // kMaxWeightGradGroups groups (their partials are groups * M * N floats of workspace), each a
 // multiple of 32 tokens and at least kMinWeightGradTokens.
