@@ -138,6 +138,7 @@ MHC_INLINE void post_backward_token(const X* g, const X* x, const L* lo, const f
 
 // target_clones applies to plain functions, not templates: one overloaded pair per dtype pair,
 // with the token bodies inlined into each clone.
+// NOLINTBEGIN(bugprone-macro-parentheses): X and L are types, which parentheses would break.
 #define MHC_POST_TOKENS(X, L)                                                                      \
   MHC_CLONES void post_forward_tokens(const X* x, const L* lo, const float* hp, const float* hr,   \
                                       int64_t n, int64_t D, int64_t begin, int64_t end, X* out) {  \
@@ -161,6 +162,7 @@ MHC_POST_TOKENS(float, bf16)
 MHC_POST_TOKENS(bf16, float)
 MHC_POST_TOKENS(bf16, bf16)
 #undef MHC_POST_TOKENS
+// NOLINTEND(bugprone-macro-parentheses)
 
 // Runs body(begin, end) over the tokens in tasks of post_tile_tokens(M) on the pool.
 template <class Body>

@@ -5,7 +5,10 @@
 // Precision: x is bf16, exact as an MMA operand. W = norm_weight * phi (f32) is split into three
 // bf16 terms w0 + w1 + w2 (each the rounding of what the previous ones left), which carry its 24
 // bits; the three products are accumulated by the MMA in f32, and each 32-deep step's sums are
-// folded into double as in gemm.cu.
+// folded into double as in gemm.cu. The tensor cores' internal f32 accumulation is not IEEE
+// round-to-nearest, so bits differ from the CUDA-core path (and may between sm_80 and sm_90); run
+// to run they are the same. An infinite x against a W term of 0 gives NaN here (Inf x 0) where the
+// CUDA-core kernel gives Inf; the outputs downstream are NaN either way.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 with .bf16 operands), g = lane / 4, q = lane % 4:
 //   A 16x16 row-major: {A[g][2q..2q+1]}, {A[g+8][2q..]}, {A[g][2q+8..]}, {A[g+8][2q+8..]}
@@ -92,12 +95,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int64_t c = c0 + w_c + j;
-      float rest = kw < k_end && c < N ? norm_weight[kw] * phi[kw * N + c] : 0.0f;
+      // Explicit roundings: a contracted multiply-subtract would split the unrounded product.
+      float rest = kw < k_end && c < N ? __fmul_rn(norm_weight[kw], phi[kw * N + c]) : 0.0f;
 #pragma unroll
       for (int term = 0; term < kTerms; ++term) {
         const __nv_bfloat16 part = __float2bfloat16_rn(rest);
         s.w[term][w_c + j][w_k] = part;
-        rest -= __bfloat162float(part);
+        rest = __fsub_rn(rest, __bfloat162float(part));
       }
     }
     __syncthreads();
