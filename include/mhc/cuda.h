@@ -58,6 +58,28 @@ void pre_backward(const Config& config, const TensorRef& dlayer_in, const Tensor
                   const Params& params, const MutableTensorRef& dx, const ParamGrads& grads,
                   const Workspace& workspace, Stream stream);
 
+// Tensor parallelism: the split operations of mhc/ops.h (D sliced across devices, an all-reduce
+// of the small per-token partials in between), same shapes and checks.
+int64_t pre_forward_partials_workspace_bytes(const Config& config, int64_t tokens);
+int64_t pre_forward_finish_workspace_bytes(const Config& config, int64_t tokens);
+int64_t pre_backward_finish_workspace_bytes(const Config& config, int64_t tokens);
+
+void pre_forward_partials(const Config& config, const TensorRef& x, const TensorRef& norm_weight,
+                          const TensorRef& phi, const MutableTensorRef& partials,
+                          const Workspace& workspace, Stream stream);
+void pre_forward_finish(const Config& config, const TensorRef& x, const TensorRef& partials,
+                        const TensorRef& alpha, const TensorRef& bias,
+                        const PreForwardOutputs& outputs, const Workspace& workspace,
+                        Stream stream);
+void pre_backward_partials(const Config& config, const TensorRef& dlayer_in, const TensorRef& x,
+                           const MutableTensorRef& dh_pre, Stream stream);
+void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
+                         const TensorRef& dx_partial, const TensorRef& dh_pre,
+                         const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                         const TensorRef& partials, const Params& params,
+                         const MutableTensorRef& dx, const ParamGrads& grads,
+                         const Workspace& workspace, Stream stream);
+
 // True when the CUDA runtime finds at least one device this build can run on.
 bool device_available();
 

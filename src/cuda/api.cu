@@ -43,36 +43,48 @@ class Carver {
 struct PreForwardScratch {
   ProjectionSplit split;
   CoefficientSlots slots;
-  float* partials;
-  double* coefficient_scratch;
+  float* partials = nullptr;  // [slices, T, N+1]
+  double* coefficient_scratch = nullptr;
 };
 
-PreForwardScratch carve_pre_forward(const Config& config, const detail::Dims& d, Carver& carver) {
+// The forward's two stages: the projection partials and the per-token coefficients. The fused
+// operation needs both, each tensor-parallel half one.
+enum Stages : unsigned { kProjection = 1, kCoefficients = 2 };
+
+PreForwardScratch carve_pre_forward(const Config& config, const detail::Dims& d, unsigned stages,
+                                    Carver& carver) {
   PreForwardScratch w;
   w.split = projection_split(d);
   w.slots = forward_coefficient_slots(config, d.T);
-  w.partials = carver.take<float>(w.split.slices * d.T * (d.N + 1));
-  w.coefficient_scratch = carver.take<double>(w.slots.threads * w.slots.doubles_per_thread);
+  if (stages & kProjection) w.partials = carver.take<float>(w.split.slices * d.T * (d.N + 1));
+  if (stages & kCoefficients) {
+    w.coefficient_scratch = carver.take<double>(w.slots.threads * w.slots.doubles_per_thread);
+  }
   return w;
 }
 
 struct PreBackwardScratch {
   ProjectionSplit split;
   CoefficientSlots slots;
-  float* partials;
-  float* dh_pre;
+  float* partials = nullptr;  // recomputed projection (fused operation only)
+  float* dh_pre = nullptr;    // (fused operation only)
   TokenGrads token;
   double* term_group_sums;
   float* weight_partials;
   double* coefficient_scratch;
 };
 
-PreBackwardScratch carve_pre_backward(const Config& config, const detail::Dims& d, Carver& carver) {
+// `recompute`: the fused operation recomputes the projection and dh_pre; pre_backward_finish is
+// handed both.
+PreBackwardScratch carve_pre_backward(const Config& config, const detail::Dims& d, bool recompute,
+                                      Carver& carver) {
   PreBackwardScratch w;
   w.split = projection_split(d);
   w.slots = backward_coefficient_slots(config, d.T);
-  w.partials = carver.take<float>(w.split.slices * d.T * (d.N + 1));
-  w.dh_pre = carver.take<float>(d.T * d.n);
+  if (recompute) {
+    w.partials = carver.take<float>(w.split.slices * d.T * (d.N + 1));
+    w.dh_pre = carver.take<float>(d.T * d.n);
+  }
   w.token.dP = carver.take<float>(d.T * d.N);
   w.token.x_coef = carver.take<float>(d.T);
   w.token.h_pre = carver.take<float>(d.T * d.n);
@@ -108,20 +120,68 @@ void check_workspace(const char* op, const Workspace& workspace, int64_t needed,
 const float* f32(const TensorRef& view) { return static_cast<const float*>(view.data); }
 float* f32(const MutableTensorRef& view) { return static_cast<float*>(view.data); }
 
-}  // namespace
+// The backward from the coefficients' inputs (the summed projection partials and dh_pre) on:
+// the coefficient backward, dx, then the parameter gradients.
+void pre_backward_tail(const Config& config, const detail::Dims& d, const PreBackwardScratch& w,
+                       const ProjectionSplit& split, const float* partials, const float* dh_pre,
+                       const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                       const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                       const Params& params, const MutableTensorRef& dx, const ParamGrads& grads,
+                       cudaStream_t stream) {
+  launch_backward_coefficients(config, d, split, partials, dh_pre, f32(dh_post), f32(dh_res),
+                               f32(params.alpha), f32(params.bias), w.token, w.slots,
+                               w.coefficient_scratch, stream);
+  launch_input_grad(d, x, dlayer_in, dx_partial, w.token.h_pre, w.token.x_coef, w.token.dP,
+                    f32(params.norm_weight), f32(params.phi), dx, stream);
+  launch_weight_grad(d, x, w.token.dP, w.weight_partials, stream);
+  // These two run for T = 0 as well: they write the zero gradients.
+  launch_weight_grad_finish(d, w.weight_partials, f32(params.norm_weight), f32(params.phi),
+                            f32(grads.phi), f32(grads.norm_weight), stream);
+  launch_term_sums(d, w.token.terms, w.term_group_sums, f32(grads.bias), f32(grads.alpha), stream);
+}
 
-int64_t pre_forward_workspace_bytes(const Config& config, int64_t tokens) {
-  const detail::Dims d = dims_for("mhc::cuda::pre_forward_workspace_bytes", config, tokens);
+template <class Carve>
+int64_t bytes_of(const char* op, const Config& config, int64_t tokens, Carve carve) {
+  const detail::Dims d = dims_for(op, config, tokens);
   Carver counter(nullptr);
-  carve_pre_forward(config, d, counter);
+  carve(d, counter);
   return counter.used();
 }
 
+// The summed partials [T, N+1] of the tensor-parallel operations, read as one slice.
+constexpr ProjectionSplit kSummed{1, 0};
+
+}  // namespace
+
+int64_t pre_forward_workspace_bytes(const Config& config, int64_t tokens) {
+  return bytes_of("mhc::cuda::pre_forward_workspace_bytes", config, tokens,
+                  [&](const detail::Dims& d, Carver& c) {
+                    carve_pre_forward(config, d, kProjection | kCoefficients, c);
+                  });
+}
+
 int64_t pre_backward_workspace_bytes(const Config& config, int64_t tokens) {
-  const detail::Dims d = dims_for("mhc::cuda::pre_backward_workspace_bytes", config, tokens);
-  Carver counter(nullptr);
-  carve_pre_backward(config, d, counter);
-  return counter.used();
+  return bytes_of(
+      "mhc::cuda::pre_backward_workspace_bytes", config, tokens,
+      [&](const detail::Dims& d, Carver& c) { carve_pre_backward(config, d, true, c); });
+}
+
+int64_t pre_forward_partials_workspace_bytes(const Config& config, int64_t tokens) {
+  return bytes_of(
+      "mhc::cuda::pre_forward_partials_workspace_bytes", config, tokens,
+      [&](const detail::Dims& d, Carver& c) { carve_pre_forward(config, d, kProjection, c); });
+}
+
+int64_t pre_forward_finish_workspace_bytes(const Config& config, int64_t tokens) {
+  return bytes_of(
+      "mhc::cuda::pre_forward_finish_workspace_bytes", config, tokens,
+      [&](const detail::Dims& d, Carver& c) { carve_pre_forward(config, d, kCoefficients, c); });
+}
+
+int64_t pre_backward_finish_workspace_bytes(const Config& config, int64_t tokens) {
+  return bytes_of(
+      "mhc::cuda::pre_backward_finish_workspace_bytes", config, tokens,
+      [&](const detail::Dims& d, Carver& c) { carve_pre_backward(config, d, false, c); });
 }
 
 void pre_forward(const Config& config, const TensorRef& x, const Params& params,
@@ -132,7 +192,7 @@ void pre_forward(const Config& config, const TensorRef& x, const Params& params,
                   "mhc::cuda::pre_forward_workspace_bytes");
   if (d.T == 0) return;
   Carver carver(workspace.data);
-  const PreForwardScratch w = carve_pre_forward(config, d, carver);
+  const PreForwardScratch w = carve_pre_forward(config, d, kProjection | kCoefficients, carver);
   launch_projection(d, w.split, x, f32(params.norm_weight), f32(params.phi), w.partials, stream);
   launch_forward_coefficients(config, d, w.split, w.partials, f32(params.alpha), f32(params.bias),
                               f32(outputs.h_pre), f32(outputs.h_post), f32(outputs.h_res), w.slots,
@@ -172,19 +232,73 @@ void pre_backward(const Config& config, const TensorRef& dlayer_in, const Tensor
   check_workspace(op, workspace, pre_backward_workspace_bytes(config, d.T),
                   "mhc::cuda::pre_backward_workspace_bytes");
   Carver carver(workspace.data);
-  const PreBackwardScratch w = carve_pre_backward(config, d, carver);
+  const PreBackwardScratch w = carve_pre_backward(config, d, true, carver);
   launch_projection(d, w.split, x, f32(params.norm_weight), f32(params.phi), w.partials, stream);
   launch_dh_pre(d, dlayer_in, x, w.dh_pre, stream);
-  launch_backward_coefficients(config, d, w.split, w.partials, w.dh_pre, f32(dh_post), f32(dh_res),
-                               f32(params.alpha), f32(params.bias), w.token, w.slots,
-                               w.coefficient_scratch, stream);
-  launch_input_grad(d, x, dlayer_in, dx_partial, w.token.h_pre, w.token.x_coef, w.token.dP,
-                    f32(params.norm_weight), f32(params.phi), dx, stream);
-  launch_weight_grad(d, x, w.token.dP, w.weight_partials, stream);
-  // These two run for T = 0 as well: they write the zero gradients.
-  launch_weight_grad_finish(d, w.weight_partials, f32(params.norm_weight), f32(params.phi),
-                            f32(grads.phi), f32(grads.norm_weight), stream);
-  launch_term_sums(d, w.token.terms, w.term_group_sums, f32(grads.bias), f32(grads.alpha), stream);
+  pre_backward_tail(config, d, w, w.split, w.partials, w.dh_pre, dlayer_in, dx_partial, dh_post,
+                    dh_res, x, params, dx, grads, stream);
+  check_launch(op, "kernels");
+}
+
+void pre_forward_partials(const Config& config, const TensorRef& x, const TensorRef& norm_weight,
+                          const TensorRef& phi, const MutableTensorRef& partials,
+                          const Workspace& workspace, Stream stream) {
+  const char* op = "mhc::cuda::pre_forward_partials";
+  const detail::Dims d =
+      detail::check_pre_forward_partials(op, config, x, norm_weight, phi, partials);
+  check_workspace(op, workspace, pre_forward_partials_workspace_bytes(config, d.T),
+                  "mhc::cuda::pre_forward_partials_workspace_bytes");
+  if (d.T == 0) return;
+  Carver carver(workspace.data);
+  const PreForwardScratch w = carve_pre_forward(config, d, kProjection, carver);
+  launch_projection(d, w.split, x, f32(norm_weight), f32(phi), w.partials, stream);
+  launch_sum_slices(d, w.split, w.partials, f32(partials), stream);
+  check_launch(op, "kernels");
+}
+
+void pre_forward_finish(const Config& config, const TensorRef& x, const TensorRef& partials,
+                        const TensorRef& alpha, const TensorRef& bias,
+                        const PreForwardOutputs& outputs, const Workspace& workspace,
+                        Stream stream) {
+  const char* op = "mhc::cuda::pre_forward_finish";
+  const detail::Dims d =
+      detail::check_pre_forward_finish(op, config, x, partials, alpha, bias, outputs);
+  check_workspace(op, workspace, pre_forward_finish_workspace_bytes(config, d.T),
+                  "mhc::cuda::pre_forward_finish_workspace_bytes");
+  if (d.T == 0) return;
+  Carver carver(workspace.data);
+  const PreForwardScratch w = carve_pre_forward(config, d, kCoefficients, carver);
+  launch_forward_coefficients(config, d, kSummed, f32(partials), f32(alpha), f32(bias),
+                              f32(outputs.h_pre), f32(outputs.h_post), f32(outputs.h_res), w.slots,
+                              w.coefficient_scratch, stream);
+  launch_pre_apply(d, x, f32(outputs.h_pre), outputs.layer_in, stream);
+  check_launch(op, "kernels");
+}
+
+void pre_backward_partials(const Config& config, const TensorRef& dlayer_in, const TensorRef& x,
+                           const MutableTensorRef& dh_pre, Stream stream) {
+  const char* op = "mhc::cuda::pre_backward_partials";
+  const detail::Dims d = detail::check_pre_backward_partials(op, config, dlayer_in, x, dh_pre);
+  if (d.T == 0) return;
+  launch_dh_pre(d, dlayer_in, x, f32(dh_pre), stream);
+  check_launch(op, "kernels");
+}
+
+void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
+                         const TensorRef& dx_partial, const TensorRef& dh_pre,
+                         const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                         const TensorRef& partials, const Params& params,
+                         const MutableTensorRef& dx, const ParamGrads& grads,
+                         const Workspace& workspace, Stream stream) {
+  const char* op = "mhc::cuda::pre_backward_finish";
+  const detail::Dims d = detail::check_pre_backward_finish(
+      op, config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, params, dx, grads);
+  check_workspace(op, workspace, pre_backward_finish_workspace_bytes(config, d.T),
+                  "mhc::cuda::pre_backward_finish_workspace_bytes");
+  Carver carver(workspace.data);
+  const PreBackwardScratch w = carve_pre_backward(config, d, false, carver);
+  pre_backward_tail(config, d, w, kSummed, f32(partials), f32(dh_pre), dlayer_in, dx_partial,
+                    dh_post, dh_res, x, params, dx, grads, stream);
   check_launch(op, "kernels");
 }
 

@@ -250,6 +250,17 @@ unsigned grid_size(int64_t blocks) {
   return static_cast<unsigned>(blocks);
 }
 
+__global__ void __launch_bounds__(kBlockThreads)
+    sum_slices_kernel(const float* __restrict__ sliced, int64_t slices, int64_t count,
+                      float* __restrict__ partials) {
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < count;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    double total = 0.0;
+    for (int64_t s = 0; s < slices; ++s) total += sliced[s * count + e];
+    partials[e] = static_cast<float>(total);
+  }
+}
+
 }  // namespace
 
 ProjectionSplit projection_split(const detail::Dims& d) {
@@ -283,6 +294,15 @@ void launch_projection(const detail::Dims& d, const ProjectionSplit& split, cons
             static_cast<const X*>(x.data), norm_weight, phi, d.T, d.M, static_cast<int>(d.N),
             split.slice_width, token_tiles, col_tiles, partials);
   });
+}
+
+void launch_sum_slices(const detail::Dims& d, const ProjectionSplit& split, const float* sliced,
+                       float* partials, cudaStream_t stream) {
+  const int64_t count = d.T * (d.N + 1);
+  if (count == 0) return;
+  const int64_t blocks = std::min<int64_t>(ceil_div(count, kBlockThreads), 1 << 16);
+  sum_slices_kernel<<<grid_size(blocks), kBlockThreads, 0, stream>>>(sliced, split.slices, count,
+                                                                     partials);
 }
 
 void launch_weight_grad(const detail::Dims& d, const TensorRef& x, const float* dP,

@@ -43,6 +43,10 @@ void launch_projection(const detail::Dims& d, const ProjectionSplit& split, cons
                        const float* norm_weight, const float* phi, float* partials,
                        cudaStream_t stream);
 
+// partials [T, N+1] = the slices of `sliced` [slices, T, N+1] summed in order (in double).
+void launch_sum_slices(const detail::Dims& d, const ProjectionSplit& split, const float* sliced,
+                       float* partials, cudaStream_t stream);
+
 // The tensor-core projection (projection_mma.cu): bf16 x only, opt-in with the environment variable
 // MHC_CUDA_TENSOR_CORES=1 (read once) on sm_80 or newer, until it has been verified on a GPU.
 // Same split and the same partials as launch_projection, which dispatches to it.

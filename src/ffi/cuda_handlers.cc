@@ -113,8 +113,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MhcCudaPreBackward, PreBackwardImpl,
     (handler_binding<9, 5>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
 
-// The fused operations only: the tensor-parallel split (mhc_pre_*_partials / _finish) has no
-// CUDA kernels yet, so sharded_pre with a tensor axis runs on CPU devices only.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MhcCudaPreForwardPartials, PreForwardPartialsImpl,
+    (handler_binding<3, 1>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MhcCudaPreForwardFinish, PreForwardFinishImpl,
+    (handler_binding<4, 4>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCudaPreBackwardPartials, PreBackwardPartialsImpl,
+                              (handler_binding<2, 1>(ffi::Ffi::Bind().Ctx<Stream>())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MhcCudaPreBackwardFinish, PreBackwardFinishImpl,
+    (handler_binding<11, 5>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
+
 NB_MODULE(_mhc_cuda, module) {
   module.doc() = "XLA FFI handlers of mhc for the CUDA platform (unverified on a GPU)";
   module.def("registrations", []() {
@@ -123,6 +133,14 @@ NB_MODULE(_mhc_cuda, module) {
     table["mhc_post_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCudaPostForward));
     table["mhc_post_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCudaPostBackward));
     table["mhc_pre_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreBackward));
+    table["mhc_pre_forward_partials"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreForwardPartials));
+    table["mhc_pre_forward_finish"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreForwardFinish));
+    table["mhc_pre_backward_partials"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreBackwardPartials));
+    table["mhc_pre_backward_finish"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreBackwardFinish));
     return table;
   });
   module.def("device_available", &mhc::cuda::device_available);

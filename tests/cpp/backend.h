@@ -23,6 +23,20 @@ struct Backend {
                        const TensorRef& dx_partial, const TensorRef& dh_post,
                        const TensorRef& dh_res, const TensorRef& x, const Params& params,
                        const MutableTensorRef& dx, const ParamGrads& grads);
+  // The tensor-parallel split operations.
+  void (*pre_forward_partials)(const Config& config, const TensorRef& x,
+                               const TensorRef& norm_weight, const TensorRef& phi,
+                               const MutableTensorRef& partials);
+  void (*pre_forward_finish)(const Config& config, const TensorRef& x, const TensorRef& partials,
+                             const TensorRef& alpha, const TensorRef& bias,
+                             const PreForwardOutputs& outputs);
+  void (*pre_backward_partials)(const Config& config, const TensorRef& dlayer_in,
+                                const TensorRef& x, const MutableTensorRef& dh_pre);
+  void (*pre_backward_finish)(const Config& config, const TensorRef& dlayer_in,
+                              const TensorRef& dx_partial, const TensorRef& dh_pre,
+                              const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                              const TensorRef& partials, const Params& params,
+                              const MutableTensorRef& dx, const ParamGrads& grads);
 };
 
 const Backend& backend();

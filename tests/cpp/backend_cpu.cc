@@ -9,7 +9,11 @@ const Backend& backend() {
                            &mhc::pre_forward,
                            &mhc::post_forward,
                            &mhc::post_backward,
-                           &mhc::pre_backward};
+                           &mhc::pre_backward,
+                           &mhc::pre_forward_partials,
+                           &mhc::pre_forward_finish,
+                           &mhc::pre_backward_partials,
+                           &mhc::pre_backward_finish};
   return cpu;
 }
 

@@ -173,11 +173,70 @@ void pre_backward(const Config& config, const TensorRef& dlayer_in, const Tensor
   dgrads.copy_back();
 }
 
+void pre_forward_partials(const Config& config, const TensorRef& x, const TensorRef& norm_weight,
+                          const TensorRef& phi, const MutableTensorRef& partials) {
+  const DeviceTensor dx(x), dnw(norm_weight), dphi(phi), dpartials(partials);
+  const PoisonedWorkspace workspace(cuda::pre_forward_partials_workspace_bytes(config, x.shape[0]));
+  cuda::pre_forward_partials(config, dx.ref(), dnw.ref(), dphi.ref(), dpartials.mut(),
+                             workspace.view(), test_stream());
+  finish();
+  dpartials.copy_back();
+}
+
+void pre_forward_finish(const Config& config, const TensorRef& x, const TensorRef& partials,
+                        const TensorRef& alpha, const TensorRef& bias,
+                        const PreForwardOutputs& outputs) {
+  const DeviceTensor dx(x), dpartials(partials), dalpha(alpha), dbias(bias),
+      layer_in(outputs.layer_in), h_pre(outputs.h_pre), h_post(outputs.h_post),
+      h_res(outputs.h_res);
+  const PoisonedWorkspace workspace(cuda::pre_forward_finish_workspace_bytes(config, x.shape[0]));
+  cuda::pre_forward_finish(
+      config, dx.ref(), dpartials.ref(), dalpha.ref(), dbias.ref(),
+      PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()}, workspace.view(),
+      test_stream());
+  finish();
+  for (const DeviceTensor* t : {&layer_in, &h_pre, &h_post, &h_res}) t->copy_back();
+}
+
+void pre_backward_partials(const Config& config, const TensorRef& dlayer_in, const TensorRef& x,
+                           const MutableTensorRef& dh_pre) {
+  const DeviceTensor ddli(dlayer_in), dx(x), ddh_pre(dh_pre);
+  cuda::pre_backward_partials(config, ddli.ref(), dx.ref(), ddh_pre.mut(), test_stream());
+  finish();
+  ddh_pre.copy_back();
+}
+
+void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
+                         const TensorRef& dx_partial, const TensorRef& dh_pre,
+                         const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                         const TensorRef& partials, const Params& params,
+                         const MutableTensorRef& dx, const ParamGrads& grads) {
+  const DeviceTensor ddli(dlayer_in), ddxp(dx_partial), ddh_pre(dh_pre), ddhp(dh_post),
+      ddhr(dh_res), ddx_in(x), dpartials(partials), ddx(dx);
+  const DeviceParams dparams(params);
+  const DeviceGrads dgrads(grads);
+  const PoisonedWorkspace workspace(cuda::pre_backward_finish_workspace_bytes(config, x.shape[0]));
+  cuda::pre_backward_finish(config, ddli.ref(), ddxp.ref(), ddh_pre.ref(), ddhp.ref(), ddhr.ref(),
+                            ddx_in.ref(), dpartials.ref(), dparams.view(), ddx.mut(), dgrads.view(),
+                            workspace.view(), test_stream());
+  finish();
+  ddx.copy_back();
+  dgrads.copy_back();
+}
+
 }  // namespace
 
 const Backend& backend() {
-  static const Backend cuda_backend{"cuda",        &cuda::device_available, &pre_forward,
-                                    &post_forward, &post_backward,          &pre_backward};
+  static const Backend cuda_backend{"cuda",
+                                    &cuda::device_available,
+                                    &pre_forward,
+                                    &post_forward,
+                                    &post_backward,
+                                    &pre_backward,
+                                    &pre_forward_partials,
+                                    &pre_forward_finish,
+                                    &pre_backward_partials,
+                                    &pre_backward_finish};
   return cuda_backend;
 }
 

@@ -93,6 +93,33 @@ TEST(CudaArguments, SameChecksAsTheCpuOperations) {
                "mhc::cuda::pre_forward_workspace_bytes", "tokens", "expected T >= 0");
 }
 
+TEST(CudaArguments, SplitOperationsCheckToo) {
+  Buffers b;
+  Config split = small_config();
+  split.tensor_parallel = 2;  // x holds D / 2 = 4 features per stream
+  expect_error(
+      [&] {
+        cuda::pre_backward_partials(split, TensorRef(b.layer_in.data(), {2, 4}),
+                                    TensorRef(b.x.data(), {2, 4, 4}),
+                                    MutableTensorRef(b.h_pre.data(), {2, 3}), nullptr);
+      },
+      "mhc::cuda::pre_backward_partials", "dh_pre", "expected shape [2, 4]");
+  const int64_t N = projection_width(split);
+  ASSERT_GT(cuda::pre_forward_partials_workspace_bytes(split, 2), 0);
+  std::vector<float> phi(16 * N), partials(2 * (N + 1));
+  expect_error(
+      [&] {
+        cuda::pre_forward_partials(split, TensorRef(b.x.data(), {2, 4, 4}),
+                                   TensorRef(b.h_res.data(), {16}), TensorRef(phi.data(), {16, N}),
+                                   MutableTensorRef(partials.data(), {2, N + 1}), cuda::Workspace{},
+                                   nullptr);
+      },
+      "mhc::cuda::pre_forward_partials", "workspace", "expected at least");
+  EXPECT_GT(cuda::pre_backward_finish_workspace_bytes(split, 100), 0);
+  EXPECT_LT(cuda::pre_forward_finish_workspace_bytes(split, 100),
+            cuda::pre_forward_workspace_bytes(small_config(), 100));
+}
+
 TEST(CudaArguments, WorkspaceDependsOnTokens) {
   const Config config = small_config();
   EXPECT_LT(cuda::pre_backward_workspace_bytes(config, 10),

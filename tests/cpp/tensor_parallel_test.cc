@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "backend.h"
 #include "test_util.h"
 
 namespace mhc::test {
@@ -58,6 +59,8 @@ HostTensor sum_slices(const std::vector<HostTensor>& parts, std::vector<int64_t>
 class SplitVsReference : public testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
+    if (!backend().available())
+      GTEST_SKIP() << "no device for the " << backend().name << " backend";
     const Case& c = GetParam();
     config.n = c.n;
     config.dim = c.D;
@@ -111,8 +114,9 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
   for (int64_t s = 0; s < S; ++s) {
     partials.emplace_back(DType::f32, std::vector<int64_t>{T, N + 1});
     partials.back().poison();
-    pre_forward_partials(slice_config, xs[s].ref(), param_rows(params.norm_weight, 1, s).ref(),
-                         param_rows(params.phi, N, s).ref(), partials.back().mut());
+    backend().pre_forward_partials(slice_config, xs[s].ref(),
+                                   param_rows(params.norm_weight, 1, s).ref(),
+                                   param_rows(params.phi, N, s).ref(), partials.back().mut());
   }
   const HostTensor summed = sum_slices(partials, {T, N + 1});
   const HostTensor alpha = HostTensor::from(DType::f32, {3}, params.alpha);
@@ -123,8 +127,9 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
     HostTensor li(c.dtype, {T, Dl}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
         h_res(DType::f32, {T, n, n});
     for (HostTensor* t : {&li, &h_pre, &h_post, &h_res}) t->poison();
-    pre_forward_finish(slice_config, xs[s].ref(), summed.ref(), alpha.ref(), bias.ref(),
-                       PreForwardOutputs{li.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+    backend().pre_forward_finish(
+        slice_config, xs[s].ref(), summed.ref(), alpha.ref(), bias.ref(),
+        PreForwardOutputs{li.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
     put_slice(li.to_double(), D, 1, S, s, layer_in);
     const std::vector<Vec> mine{h_pre.to_double(), h_post.to_double(), h_res.to_double()};
     if (s == 0) coefficients = mine;
@@ -145,7 +150,7 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
     HostTensor dxp(c.dtype, {T, n, Dl}), dlo(c.dtype, {T, Dl});
     dh_post_parts.emplace_back(DType::f32, std::vector<int64_t>{T, n});
     dh_res_parts.emplace_back(DType::f32, std::vector<int64_t>{T, n, n});
-    post_backward(
+    backend().post_backward(
         slice_config, HostTensor::from(c.dtype, {T, n, Dl}, take_slice(g, D, 1, S, s)).ref(),
         xs[s].ref(), HostTensor::from(c.dtype, {T, Dl}, take_slice(layer_out, D, 1, S, s)).ref(),
         h_post.ref(), h_res.ref(),
@@ -170,7 +175,8 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
     dlis.push_back(HostTensor::from(c.dtype, {T, Dl}, take_slice(dlayer_in, D, 1, S, s)));
     dh_pre_parts.emplace_back(DType::f32, std::vector<int64_t>{T, n});
     dh_pre_parts.back().poison();
-    pre_backward_partials(slice_config, dlis[s].ref(), xs[s].ref(), dh_pre_parts.back().mut());
+    backend().pre_backward_partials(slice_config, dlis[s].ref(), xs[s].ref(),
+                                    dh_pre_parts.back().mut());
   }
   const HostTensor dh_pre = sum_slices(dh_pre_parts, {T, n});
   Vec want_dh_pre(static_cast<size_t>(T * n), 0.0);
@@ -193,7 +199,7 @@ TEST_P(SplitVsReference, ForwardAndBackward) {
     HostTensor dxs(c.dtype, {T, n, Dl}), dnw(DType::f32, {n * Dl}), dphis(DType::f32, {n * Dl, N}),
         da(DType::f32, {3}), db(DType::f32, {N});
     for (HostTensor* t : {&dxs, &dnw, &dphis, &da, &db}) t->poison();
-    pre_backward_finish(
+    backend().pre_backward_finish(
         slice_config, dlis[s].ref(),
         HostTensor::from(c.dtype, {T, n, Dl}, take_slice(dx_partial, D, 1, S, s)).ref(),
         dh_pre.ref(), dhp.ref(), dhr.ref(), xs[s].ref(), summed.ref(), local, dxs.mut(),
