@@ -100,6 +100,70 @@ ffi::Error PreBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
   });
 }
 
+ffi::Error PreForwardPartialsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                  ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+                                  ffi::Result<ffi::AnyBuffer> partials, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
+    const mhc::cuda::Workspace workspace = scratch_workspace(
+        scratch, mhc::cuda::pre_forward_partials_workspace_bytes(config, xv.shape[0]));
+    mhc::cuda::pre_forward_partials(config, xv, in(norm_weight, "norm_weight"), in(phi, "phi"),
+                                    out(partials, "partials"), workspace, stream);
+  });
+}
+
+ffi::Error PreForwardFinishImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                ffi::AnyBuffer x, ffi::AnyBuffer partials, ffi::AnyBuffer alpha,
+                                ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> layer_in,
+                                ffi::Result<ffi::AnyBuffer> h_pre,
+                                ffi::Result<ffi::AnyBuffer> h_post,
+                                ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
+    const mhc::cuda::Workspace workspace = scratch_workspace(
+        scratch, mhc::cuda::pre_forward_finish_workspace_bytes(config, xv.shape[0]));
+    mhc::cuda::pre_forward_finish(config, xv, in(partials, "partials"), in(alpha, "alpha"),
+                                  in(bias, "bias"),
+                                  {out(layer_in, "layer_in"), out(h_pre, "h_pre"),
+                                   out(h_post, "h_post"), out(h_res, "h_res")},
+                                  workspace, stream);
+  });
+}
+
+ffi::Error PreBackwardPartialsImpl(cudaStream_t stream, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
+                                   ffi::Result<ffi::AnyBuffer> dh_pre, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::cuda::pre_backward_partials(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
+                                     xv, out(dh_pre, "dh_pre"), stream);
+  });
+}
+
+ffi::Error PreBackwardFinishImpl(
+    cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dlayer_in,
+    ffi::AnyBuffer dx_partial, ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res,
+    ffi::AnyBuffer x, ffi::AnyBuffer partials, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+    ffi::AnyBuffer alpha, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx,
+    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
+    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
+    const mhc::cuda::Workspace workspace = scratch_workspace(
+        scratch, mhc::cuda::pre_backward_finish_workspace_bytes(config, xv.shape[0]));
+    mhc::cuda::pre_backward_finish(
+        config, in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"), in(dh_pre, "dh_pre"),
+        in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv, in(partials, "partials"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        out(dx, "dx"),
+        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+         out(dbias, "dbias")},
+        workspace, stream);
+  });
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
