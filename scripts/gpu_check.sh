@@ -67,7 +67,7 @@ info() {
 
 build() {
   local gtest=()
-  [[ -d .gtest ]] && gtest=(-DGTEST_ROOT="$PWD/.gtest")
+  [[ -d .gtest ]] && gtest=(-DGTest_ROOT="$PWD/.gtest" -DGTEST_ROOT="$PWD/.gtest")
   cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMHC_BUILD_CUDA=ON \
     -DMHC_CUDA_ARCHITECTURES="$ARCH" -DMHC_BUILD_BENCH=OFF -DMHC_BUILD_EXAMPLES=OFF \
     -DMHC_WERROR=OFF "${gtest[@]}" &&
