@@ -12,7 +12,20 @@
 
 #include "mhc/tensor.h"
 
-#if defined(__clang__)
+// ThreadSanitizer instruments the ifunc resolvers that target_clones creates, and the loader runs
+// them before the sanitizer's runtime is up (the TSan test binary crashed at load): TSan builds
+// get the baseline code only.
+#if defined(__SANITIZE_THREAD__)
+#define MHC_THREAD_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define MHC_THREAD_SANITIZER 1
+#endif
+#endif
+
+#if defined(MHC_THREAD_SANITIZER)
+#define MHC_CLONES
+#elif defined(__clang__)
 #define MHC_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define MHC_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
