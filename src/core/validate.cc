@@ -62,6 +62,13 @@ void ArgumentChecker::whole_dim(const char* split_ops) {
   }
 }
 
+void ArgumentChecker::pre_forward_outputs(const PreForwardOutputs& outputs, DType x_dtype) {
+  output("layer_in", outputs.layer_in, {dims_.T, dims_.D}, x_dtype);
+  output("h_pre", outputs.h_pre, {dims_.T, dims_.n}, DType::f32);
+  output("h_post", outputs.h_post, {dims_.T, dims_.n}, DType::f32);
+  output("h_res", outputs.h_res, {dims_.T, dims_.n, dims_.n}, DType::f32);
+}
+
 void ArgumentChecker::params(const Params& params) {
   tensor("params.norm_weight", params.norm_weight, {dims_.M}, DType::f32);
   tensor("params.phi", params.phi, {dims_.M, dims_.N}, DType::f32);
@@ -132,12 +139,8 @@ Dims check_pre_forward(const char* op, const Config& config, const TensorRef& x,
   ArgumentChecker check(op, config);
   check.whole_dim("pre_forward_partials and pre_forward_finish");
   check.tokens("x", x);
-  const Dims& d = check.dims();
   check.params(params);
-  check.output("layer_in", outputs.layer_in, {d.T, d.D}, x.dtype);
-  check.output("h_pre", outputs.h_pre, {d.T, d.n}, DType::f32);
-  check.output("h_post", outputs.h_post, {d.T, d.n}, DType::f32);
-  check.output("h_res", outputs.h_res, {d.T, d.n, d.n}, DType::f32);
+  check.pre_forward_outputs(outputs, x.dtype);
   check.finish();
   return check.dims();
 }
@@ -217,10 +220,7 @@ Dims check_pre_forward_finish(const char* op, const Config& config, const Tensor
   check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
   check.tensor("alpha", alpha, {3}, DType::f32);
   check.tensor("bias", bias, {d.N}, DType::f32);
-  check.output("layer_in", outputs.layer_in, {d.T, d.D}, x.dtype);
-  check.output("h_pre", outputs.h_pre, {d.T, d.n}, DType::f32);
-  check.output("h_post", outputs.h_post, {d.T, d.n}, DType::f32);
-  check.output("h_res", outputs.h_res, {d.T, d.n, d.n}, DType::f32);
+  check.pre_forward_outputs(outputs, x.dtype);
   check.finish();
   return check.dims();
 }

@@ -40,6 +40,9 @@ class ArgumentChecker {
               std::initializer_list<int64_t> expected, DType dtype);
   // For the fused pre operations, which need every feature of a token: tensor_parallel == 1.
   void whole_dim(const char* split_ops);
+  // layer_in [T, D] in x's dtype and the f32 coefficients, as both pre_forward and
+  // pre_forward_finish write them.
+  void pre_forward_outputs(const PreForwardOutputs& outputs, DType x_dtype);
   void params(const Params& params);
   void grads(const ParamGrads& grads);
   void finish() const;

@@ -143,6 +143,28 @@ __device__ void block_sum(const float (&values)[kCount], int count, float* scrat
   __syncthreads();  // scratch is free again when this returns
 }
 
+// The tile of the projection a block computes (gemm.cu and projection_mma.cu share the grid):
+// blocks enumerate token tiles fastest, then column tiles, then slices of n*D.
+struct ProjectionTile {
+  int64_t t0, c0;          // first token and first column
+  int64_t slice;           // which slice of n*D: its partials' index
+  int64_t k_begin, k_end;  // that slice's columns of x
+  bool writes_squares;     // column tile 0 also writes the sum of squares
+};
+
+__device__ __forceinline__ ProjectionTile projection_tile(int64_t rows, int64_t cols,
+                                                          int64_t token_tiles, int64_t col_tiles,
+                                                          int64_t slice_width, int64_t M) {
+  int64_t block = blockIdx.x;
+  const int64_t tile_t = block % token_tiles;
+  block /= token_tiles;
+  const int64_t tile_c = block % col_tiles;
+  const int64_t slice = block / col_tiles;
+  const int64_t k_begin = slice * slice_width;
+  return ProjectionTile{tile_t * rows, tile_c * cols, slice, k_begin, min(M, k_begin + slice_width),
+                        tile_c == 0};
+}
+
 // The vector path needs every tensor of the call aligned and rows of a multiple of kVector.
 inline bool vector_path(int64_t D, std::initializer_list<const void*> pointers) {
   if (D % kVector != 0) return false;

@@ -65,14 +65,8 @@ __global__ void __launch_bounds__(kBlockThreads)
                       int64_t slice_width, int64_t token_tiles, int64_t col_tiles,
                       float* __restrict__ partials) {
   __shared__ __align__(16) Tiles s;
-  int64_t block = blockIdx.x;
-  const int64_t tile_t = block % token_tiles;
-  block /= token_tiles;
-  const int64_t tile_c = block % col_tiles;
-  const int64_t slice = block / col_tiles;
-  const int64_t t0 = tile_t * kRows, c0 = tile_c * kCols;
-  const int64_t k_begin = slice * slice_width;
-  const int64_t k_end = min(M, k_begin + slice_width);
+  const ProjectionTile tile = projection_tile(kRows, kCols, token_tiles, col_tiles, slice_width, M);
+  const int64_t t0 = tile.t0, c0 = tile.c0, k_begin = tile.k_begin, k_end = tile.k_end;
 
   const int tid = threadIdx.x;
   const int a_row = tid / 4, a_k = (tid % 4) * 8;  // 8 consecutive x values of one token
@@ -106,7 +100,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   squares += __shfl_xor_sync(0xffffffffu, squares, 1);
   squares += __shfl_xor_sync(0xffffffffu, squares, 2);
 
-  float* out = partials + slice * T * (N + 1);
+  float* out = partials + tile.slice * T * (N + 1);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t t = t0 + out_row(i);
@@ -116,7 +110,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       if (t < T && c < N) out[t * (N + 1) + c] = static_cast<float>(total[i][j]);
     }
   }
-  if (tile_c == 0 && tid % 4 == 0 && t_load < T) {
+  if (tile.writes_squares && tid % 4 == 0 && t_load < T) {
     out[t_load * (N + 1) + N] = static_cast<float>(squares);
   }
 }

@@ -61,14 +61,8 @@ __global__ void __launch_bounds__(kThreads)
                           int64_t T, int64_t M, int N, int64_t slice_width, int64_t token_tiles,
                           int64_t col_tiles, float* __restrict__ partials) {
   __shared__ __align__(16) MmaTiles s;
-  int64_t block = blockIdx.x;
-  const int64_t tile_t = block % token_tiles;
-  block /= token_tiles;
-  const int64_t tile_c = block % col_tiles;
-  const int64_t slice = block / col_tiles;
-  const int64_t t0 = tile_t * kRows, c0 = tile_c * kCols;
-  const int64_t k_begin = slice * slice_width;
-  const int64_t k_end = min(M, k_begin + slice_width);
+  const ProjectionTile tile = projection_tile(kRows, kCols, token_tiles, col_tiles, slice_width, M);
+  const int64_t t0 = tile.t0, c0 = tile.c0, k_begin = tile.k_begin, k_end = tile.k_end;
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int g = lane / 4, q = lane % 4;
@@ -132,7 +126,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   squares += __shfl_xor_sync(0xffffffffu, squares, 1);  // the two threads of a token
 
-  float* out = partials + slice * T * (N + 1);
+  float* out = partials + tile.slice * T * (N + 1);
 #pragma unroll
   for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -142,7 +136,7 @@ __global__ void __launch_bounds__(kThreads)
       if (t < T && c < N) out[t * (N + 1) + c] = static_cast<float>(total[nt][e]);
     }
   }
-  if (tile_c == 0 && tid % 2 == 0 && t_load < T) {
+  if (tile.writes_squares && tid % 2 == 0 && t_load < T) {
     out[t_load * (N + 1) + N] = static_cast<float>(squares);
   }
 }
