@@ -89,6 +89,48 @@ double relative_error(const Vec& got, const Vec& want) {
   return std::sqrt(diff / norm);
 }
 
+double half_bf16_ulp(double value) {
+  const double magnitude = std::fabs(value);
+  if (!(magnitude >= 0x1p-126)) return 0x1p-134;  // zero and the subnormal range: fixed spacing
+  int exponent = 0;
+  std::frexp(magnitude, &exponent);  // magnitude in [2^(exponent-1), 2^exponent)
+  return std::ldexp(1.0, exponent - 1 - 8);
+}
+
+testing::AssertionResult matches_reference(DType dtype, const Vec& got, const Vec& want) {
+  if (got.size() != want.size()) {
+    return testing::AssertionFailure()
+           << got.size() << " values where the reference has " << want.size();
+  }
+  const double error = relative_error(got, want);
+  if (dtype == DType::f32) {
+    if (error <= 1e-5) return testing::AssertionSuccess();
+    return testing::AssertionFailure() << "relative error " << error << " > 1e-5 (f32 output)";
+  }
+  double squares = 0.0;
+  for (double v : want) squares += v * v;
+  const double slack = want.empty() ? 0.0 : 1e-5 * std::sqrt(squares / want.size());
+  size_t worst = 0, outside = 0;
+  double worst_excess = -1.0;
+  for (size_t k = 0; k < got.size(); ++k) {
+    const double bound = half_bf16_ulp(std::fmax(std::fabs(got[k]), std::fabs(want[k]))) + slack;
+    const double excess = std::fabs(got[k] - want[k]) - bound;
+    if (!(excess <= 0.0)) {
+      ++outside;
+      if (!(excess <= worst_excess)) {
+        worst_excess = excess;
+        worst = k;
+      }
+    }
+  }
+  if (outside == 0) return testing::AssertionSuccess();
+  return testing::AssertionFailure()
+         << outside << " of " << got.size()
+         << " bf16 elements off the rounded float64 value by more than half an ulp; worst ["
+         << worst << "] " << got[worst] << " vs " << want[worst] << " (relative norm error "
+         << error << ")";
+}
+
 uint64_t fresh_seed() {
   if (const char* text = std::getenv("MHC_TEST_SEED")) return std::strtoull(text, nullptr, 10);
   static std::random_device device;

@@ -44,6 +44,19 @@ class HostTensor {
 // ||got - want|| / ||want||; ||got|| when want is all zeros; NaN if anything is NaN.
 double relative_error(const Vec& got, const Vec& want);
 
+// The spec's bound for one output tensor of `dtype` against its float64 value `want`, computed
+// from the exact inputs the kernel saw (bf16 inputs are exact in double, so a bf16 case has no
+// excuse beyond the rounding of its own bf16 outputs):
+// - f32 output: ||got - want|| / ||want|| <= 1e-5;
+// - bf16 output: every element within half a bf16 ulp of want (what rounding to nearest gives;
+//   truncation misses by up to a whole ulp) plus 1e-5 * rms(want) for the f32 arithmetic before
+//   the rounding.
+// The message names the worst element. NaN never passes.
+testing::AssertionResult matches_reference(DType dtype, const Vec& got, const Vec& want);
+
+// Half a bf16 ulp at |value| (bf16 keeps 8 significant bits).
+double half_bf16_ulp(double value);
+
 // A fresh seed per call (logged by the tests so a failure can be replayed with MHC_TEST_SEED).
 uint64_t fresh_seed();
 
