@@ -8,14 +8,18 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
+#include "kernels.h"
 #include "mhc/error.h"
 #include "mhc/tensor.h"
 
 namespace mhc::cuda {
 
 inline constexpr int kBlockThreads = 256;
+static_assert(kBlockThreads == kStrideThreads,
+              "kernels.h states the block size of gemm.cu's loops");
 inline constexpr int kWarps = kBlockThreads / 32;
 // Elements per thread on the vector path: one 16-byte load of bf16, two of f32.
 inline constexpr int kVector = 8;
@@ -103,7 +107,13 @@ __device__ __forceinline__ void store(__nv_bfloat16* p, const float (&in)[V]) {
     __nv_bfloat162 pairs[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) pairs[w] = __floats2bfloat162_rn(in[2 * w], in[2 * w + 1]);
-    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(pairs);
+    // The pairs' bytes as one 16-byte word: memcpy between two trivially copyable objects of the
+    // same size is defined (reading the array through a uint4 lvalue was not); nvcc keeps both in
+    // registers, so this is still one 16-byte store (sm_90 PTX: one st.global.v4.u32).
+    static_assert(sizeof(pairs) == sizeof(uint4), "four bf16 pairs fill one 16-byte vector");
+    uint4 raw;
+    memcpy(&raw, pairs, sizeof(raw));
+    *reinterpret_cast<uint4*>(p) = raw;
   } else {
 #pragma unroll
     for (int v = 0; v < V; ++v) p[v] = __float2bfloat16_rn(in[v]);
@@ -176,7 +186,7 @@ inline bool vector_path(int64_t D, std::initializer_list<const void*> pointers) 
 
 // Block-per-token kernels walk tokens with this stride, so any T fits the grid.
 inline unsigned token_blocks(int64_t T) {
-  return static_cast<unsigned>(T < (1 << 20) ? T : (1 << 20));
+  return static_cast<unsigned>(T < kMaxTokenBlocks ? T : kMaxTokenBlocks);
 }
 
 }  // namespace mhc::cuda

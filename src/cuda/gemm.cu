@@ -294,7 +294,7 @@ void launch_sum_slices(const detail::Dims& d, const ProjectionSplit& split, cons
                        float* partials, cudaStream_t stream) {
   const int64_t count = d.T * (d.N + 1);
   if (count == 0) return;
-  const int64_t blocks = std::min<int64_t>(ceil_div(count, kBlockThreads), 1 << 16);
+  const int64_t blocks = std::min<int64_t>(ceil_div(count, kBlockThreads), kMaxStrideBlocks);
   sum_slices_kernel<<<grid_size(blocks), kBlockThreads, 0, stream>>>(sliced, split.slices, count,
                                                                      partials);
 }
@@ -316,7 +316,7 @@ void launch_weight_grad_finish(const detail::Dims& d, const float* group_partial
                                const float* norm_weight, const float* phi, float* dphi,
                                float* dnorm_weight, cudaStream_t stream) {
   if (d.M == 0) return;
-  const int64_t blocks = std::min<int64_t>(ceil_div(d.M, kBlockThreads), 1 << 16);
+  const int64_t blocks = std::min<int64_t>(ceil_div(d.M, kBlockThreads), kMaxStrideBlocks);
   weight_grad_finish_kernel<<<grid_size(blocks), kBlockThreads, 0, stream>>>(
       group_partials, weight_grad_groups(d.T), d.M, static_cast<int>(d.N), norm_weight, phi, dphi,
       dnorm_weight);

@@ -13,6 +13,14 @@
 
 namespace mhc::cuda {
 
+// Grid caps. A launch that would need more blocks starts this many and each block loops
+// (grid-stride): the block-per-token kernels (streams.cu) start at most kMaxTokenBlocks blocks,
+// the element-wise loops of gemm.cu (sum_slices, weight_grad_finish) at most kMaxStrideBlocks
+// blocks of kStrideThreads threads. tests/cpp/cuda_test.cc sizes shapes past both.
+inline constexpr int64_t kMaxTokenBlocks = int64_t{1} << 20;
+inline constexpr int64_t kMaxStrideBlocks = int64_t{1} << 16;
+inline constexpr int64_t kStrideThreads = 256;
+
 // --- streaming kernels (streams.cu) ---
 void launch_pre_apply(const detail::Dims& d, const TensorRef& x, const float* h_pre,
                       const MutableTensorRef& layer_in, cudaStream_t stream);
