@@ -1,8 +1,15 @@
 // mhc_cuda_tests checks the CUDA operations of mhc/cuda.h through host views: inputs are copied
 // to the device, outputs too (so their NaN poison travels), the workspace is filled with NaN
 // bytes, the call runs on a non-default stream, and the outputs come back after a synchronize.
+// A device copy sits at the same address modulo 256 bytes as its host view, so a test that
+// misaligns a host view on purpose misaligns the device pointer the kernels see.
+//
+// MHC_REQUIRE_CUDA=1 (scripts/gpu_check.sh sets it): no device is an error, not a skip.
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -25,26 +32,36 @@ int64_t bytes_of(const TensorRef& view) {
   return count * size_of(view.dtype);
 }
 
+// `bytes` of device memory starting `offset` bytes past a cudaMalloc'ed (256-byte aligned) base.
 class DeviceMemory {
  public:
-  explicit DeviceMemory(int64_t bytes) : bytes_(bytes) {
-    if (bytes > 0) check(cudaMalloc(&data_, static_cast<size_t>(bytes)), "cudaMalloc");
+  explicit DeviceMemory(int64_t bytes, int64_t offset = 0) : bytes_(bytes) {
+    if (bytes > 0) {
+      check(cudaMalloc(&base_, static_cast<size_t>(bytes + offset)), "cudaMalloc");
+      data_ = static_cast<char*>(base_) + offset;
+    }
   }
-  ~DeviceMemory() { cudaFree(data_); }
+  ~DeviceMemory() { cudaFree(base_); }
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
   void* data() const { return data_; }
   int64_t bytes() const { return bytes_; }
 
  private:
+  void* base_ = nullptr;
   void* data_ = nullptr;
   int64_t bytes_;
 };
 
+int64_t misalignment(const void* host) {
+  return static_cast<int64_t>(reinterpret_cast<uintptr_t>(host) % 256);
+}
+
 // A device copy of a host view; for an output, copy_back() writes the device values back.
 class DeviceTensor {
  public:
-  explicit DeviceTensor(const TensorRef& host) : memory_(bytes_of(host)), view_(host) {
+  explicit DeviceTensor(const TensorRef& host)
+      : memory_(bytes_of(host), misalignment(host.data)), view_(host) {
     if (memory_.bytes() > 0) {
       check(cudaMemcpy(memory_.data(), host.data, static_cast<size_t>(memory_.bytes()),
                        cudaMemcpyHostToDevice),
@@ -224,11 +241,31 @@ void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
   dgrads.copy_back();
 }
 
+bool required() {
+  const char* flag = std::getenv("MHC_REQUIRE_CUDA");
+  return flag != nullptr && std::strcmp(flag, "1") == 0;
+}
+
+// False without a usable device, so the tests skip; with MHC_REQUIRE_CUDA=1 it throws instead,
+// which fails the test that asked (GoogleTest reports an exception in SetUp or the body).
+bool available() {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status == cudaSuccess && count > 0) return true;
+  cudaGetLastError();  // clear the sticky error for later calls
+  if (required()) {
+    throw std::runtime_error(
+        std::string("MHC_REQUIRE_CUDA=1 but no usable CUDA device: cudaGetDeviceCount: ") +
+        (status == cudaSuccess ? "0 devices" : cudaGetErrorString(status)));
+  }
+  return false;
+}
+
 }  // namespace
 
 const Backend& backend() {
   static const Backend cuda_backend{"cuda",
-                                    &cuda::device_available,
+                                    &available,
                                     &pre_forward,
                                     &post_forward,
                                     &post_backward,

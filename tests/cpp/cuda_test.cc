@@ -1,13 +1,25 @@
-// CUDA-only checks beside the shared kernel tests (kernels_test.cc runs against the CUDA backend
-// in this binary): the argument and workspace checks, which run without a GPU, and on a device,
-// bitwise run-to-run determinism and shapes with several token groups in the fixed-order sums.
+// CUDA-only checks beside the shared kernel tests (kernels_test.cc and edge_test.cc run against
+// the CUDA backend in this binary). Without a GPU: the argument and workspace checks, and that the
+// edge shapes still reach the kernel loops they were chosen for (CudaCoverage). On a device:
+// bitwise run-to-run determinism, several token groups in the fixed-order sums, grids past the
+// kernels' caps (their grid-stride loops), and the small cases that scripts/gpu_check.sh runs
+// under compute-sanitizer (CudaSanitizer). With MHC_REQUIRE_CUDA=1 a missing device fails every
+// device test instead of skipping it.
+//
+// STATUS: the device tests have not run yet (no GPU where they were written).
 #include "mhc/cuda.h"
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
+#include "../../src/cuda/kernels.h"
 #include "backend.h"
+#include "edge_cases.h"
 #include "test_util.h"
 
 namespace mhc::test {
@@ -127,10 +139,77 @@ TEST(CudaArguments, WorkspaceDependsOnTokens) {
   EXPECT_EQ(cuda::pre_forward_workspace_bytes(config, 0), 0);
 }
 
+// The edge shapes (edge_cases.h) against the CUDA launch arithmetic: each must still exceed the
+// thread count of the coefficient kernel it was sized for, or the check it stands for is gone.
+TEST(CudaCoverage, EdgeShapesReachTheCoefficientTokenLoop) {
+  Config sinkhorn;
+  sinkhorn.n = kLoopSinkhornStreams;
+  sinkhorn.dim = kLoopDim;
+  EXPECT_GT(kLoopSinkhornForwardTokens,
+            cuda::forward_coefficient_slots(sinkhorn, kLoopSinkhornForwardTokens).threads);
+  EXPECT_GT(kLoopSinkhornBackwardTokens,
+            cuda::backward_coefficient_slots(sinkhorn, kLoopSinkhornBackwardTokens).threads);
+  Config permutations;
+  permutations.n = kLoopPermutationStreams;
+  permutations.dim = kLoopDim;
+  permutations.mix = Mix::permutations;
+  EXPECT_GT(kLoopPermutationTokens,
+            cuda::forward_coefficient_slots(permutations, kLoopPermutationTokens).threads);
+  EXPECT_GT(kLoopPermutationTokens,
+            cuda::backward_coefficient_slots(permutations, kLoopPermutationTokens).threads);
+}
+
+// Grid-stride shapes (the CudaDevice tests below): past each kernel family's grid cap.
+constexpr int64_t kStrideTokens = cuda::kMaxTokenBlocks + 5;    // streams.cu
+constexpr int64_t kSliceSumTokens = (int64_t{1} << 22) + 4096;  // sum_slices, n = 1
+constexpr int64_t kWeightFinishDim = (int64_t{1} << 24) + 64;   // weight_grad_finish, n = 1
+
+TEST(CudaCoverage, GridStrideShapesPassTheGridCaps) {
+  const int64_t stride_elements = cuda::kMaxStrideBlocks * cuda::kStrideThreads;
+  Config one;
+  one.n = 1;
+  one.dim = 1;
+  EXPECT_GT(kStrideTokens, cuda::kMaxTokenBlocks);
+  EXPECT_GT(kSliceSumTokens * (projection_width(one) + 1), stride_elements);  // T (N+1) partials
+  EXPECT_GT(kWeightFinishDim, stride_elements);                               // M = n D rows
+}
+
+bool cuda_required() {
+  const char* flag = std::getenv("MHC_REQUIRE_CUDA");
+  return flag != nullptr && std::strcmp(flag, "1") == 0;
+}
+
+// The first device check of scripts/gpu_check.sh: a device is there and what it is.
+TEST(CudaRequired, DeviceIsPresent) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    const std::string why = status == cudaSuccess ? "0 devices" : cudaGetErrorString(status);
+    if (!cuda_required()) GTEST_SKIP() << "no CUDA device (" << why << ")";
+    FAIL() << "MHC_REQUIRE_CUDA=1 but no usable CUDA device: cudaGetDeviceCount: " << why;
+  }
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  std::printf("device 0 of %d: %s, sm_%d%d, %d SMs, %.1f GiB, L2 %d MiB; driver %d, runtime %d\n",
+              count, prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+              static_cast<double>(prop.totalGlobalMem) / (1 << 30), prop.l2CacheSize >> 20, driver,
+              runtime);
+  // A kernel of this build must launch here (a wrong architecture fails at the first launch).
+  void* probe = nullptr;
+  ASSERT_EQ(cudaMalloc(&probe, 256), cudaSuccess);
+  cudaFree(probe);
+  EXPECT_GT(cuda::copy_bandwidth_gbs(1 << 20, 1), 0.0);
+}
+
 class CudaDevice : public testing::Test {
  protected:
   void SetUp() override {
-    if (!cuda::device_available()) GTEST_SKIP() << "no CUDA device";
+    // backend().available() throws when MHC_REQUIRE_CUDA=1 and there is no device.
+    if (!backend().available()) GTEST_SKIP() << "no CUDA device";
   }
 };
 
@@ -164,7 +243,26 @@ TEST_F(CudaDevice, ManyTokenGroups) {
   EXPECT_LE(relative_error(got.phi, want.grads.phi), 1e-5) << "seed " << seed;
   EXPECT_LE(relative_error(got.norm_weight, want.grads.norm_weight), 1e-5) << "seed " << seed;
   EXPECT_LE(relative_error(got.bias, want.grads.bias), 1e-5) << "seed " << seed;
-  EXPECT_LE(relative_error(got.alpha, want.grads.alpha), 1e-4) << "seed " << seed;
+  // The spec's 1e-5. dalpha is three sums of cancelling terms over all 4500 tokens, so a draw
+  // whose sums cancel far below their terms may miss a relative bound with exact arithmetic on
+  // f32-rounded inputs: then its error must be within 32x of what rounding the inputs by one f32
+  // unit changes in the reference (the rule of kernels_test.cc).
+  std::uniform_real_distribution<double> unit(-0x1p-24, 0x1p-24);
+  auto perturb = [&](Vec v) {
+    for (double& e : v) e *= 1.0 + unit(rng);
+    return v;
+  };
+  expect_matches(
+      "dalpha", DType::f32, got.alpha, want.grads.alpha,
+      [&] {
+        const reference::Params p{perturb(params.norm_weight), perturb(params.phi),
+                                  perturb(params.alpha), perturb(params.bias)};
+        return reference::pre_backward(config, perturb(dli.to_double()), perturb(dxp.to_double()),
+                                       perturb(dhp.to_double()), perturb(dhr.to_double()),
+                                       perturb(x.to_double()), p)
+            .grads.alpha;
+      },
+      "seed " + std::to_string(seed));
 }
 
 // Two runs of the backward on the same inputs give the same bits (no atomics, fixed orders).
@@ -196,6 +294,73 @@ TEST_F(CudaDevice, BitwiseRunToRun) {
   }
   ASSERT_EQ(runs[0].size(), runs[1].size());
   EXPECT_EQ(std::memcmp(runs[0].data(), runs[1].data(), runs[0].size() * sizeof(double)), 0);
+}
+
+// More tokens than the block-per-token kernels start blocks for (kMaxTokenBlocks): every
+// streaming kernel walks its tokens in a grid-stride loop, reusing its shared coefficients and
+// block sums per token; the forward coefficient kernel also walks several tokens per thread. f32
+// with D = 8, the vector path. About 2 GB of host memory for the double references.
+TEST_F(CudaDevice, StreamingKernelsGridStride) {
+  Config config;
+  config.n = 2;
+  config.dim = 8;
+  OperationCheck(config, kStrideTokens, DType::f32).all();
+}
+
+// sum_slices (pre_forward_partials) past kMaxStrideBlocks * kStrideThreads partials.
+TEST_F(CudaDevice, SumSlicesGridStride) {
+  Config config;
+  config.n = 1;
+  config.dim = 1;
+  const int64_t T = kSliceSumTokens, N = projection_width(config);
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const reference::Params params = random_params(rng, config);
+  const HostTensor x = HostTensor::from(DType::f32, {T, 1, 1}, random_normal(rng, T));
+  const HostParams host_params(config, params);
+  HostTensor partials(DType::f32, {T, N + 1});
+  partials.poison();
+  backend().pre_forward_partials(config, x.ref(), host_params.norm_weight.ref(),
+                                 host_params.phi.ref(), partials.mut());
+  // M = 1: P[t, c] = x[t] norm_weight phi[c], and the sum of squares x[t]^2 at c = N.
+  const Vec xs = x.to_double();
+  Vec want(static_cast<size_t>(T * (N + 1)));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t c = 0; c < N; ++c) {
+      want[t * (N + 1) + c] = xs[t] * params.norm_weight[0] * params.phi[c];
+    }
+    want[t * (N + 1) + N] = xs[t] * xs[t];
+  }
+  EXPECT_LE(relative_error(partials.to_double(), want), 1e-5) << "seed " << seed;
+}
+
+// weight_grad_finish past kMaxStrideBlocks * kStrideThreads rows of phi (M = D, n = 1, T = 2):
+// about 0.7 GB on the device and 2 GB of host memory.
+TEST_F(CudaDevice, WeightGradFinishGridStride) {
+  Config config;
+  config.n = 1;
+  config.dim = kWeightFinishDim;
+  OperationCheck(config, 2, DType::f32).pre_backward();
+}
+
+// The cases scripts/gpu_check.sh runs under compute-sanitizer (keep them small: the tools slow
+// kernels down 10-100x). memcheck: every operation on the 16-byte vector path (D = 1024), both
+// dtypes.
+TEST_F(CudaDevice, SanitizerVectorPathD1024) {
+  Config config;
+  config.n = 4;
+  config.dim = 1024;
+  OperationCheck(config, 3, DType::f32).all();
+  OperationCheck(config, 3, DType::bf16).all();
+}
+
+// racecheck: pre_backward, whose kernels share memory most (the projection, input- and
+// weight-gradient tiles, dh_pre's and the term sums' block reductions); two token tiles.
+TEST_F(CudaDevice, SanitizerPreBackward) {
+  Config config;
+  config.n = 4;
+  config.dim = 1024;
+  OperationCheck(config, 70, DType::f32).pre_backward();
 }
 
 }  // namespace
