@@ -20,8 +20,9 @@
 # with jax and nanobind; otherwise found).
 #
 # Estimate on the H200 machine (16 cores), seconds, against each stage's limit. Not measured
-# there yet; derived from this 2-core machine (a full build of these targets: 141 s of CPU,
-# its longest file, src/cuda/streams.cu, 36 s) and from the work each stage does:
+# there yet; derived from a 2-core machine (a clean build of these targets: 103 s there, 106 s
+# of CPU, of which the longest file, src/cuda/streams.cu, takes 36-40 s and bounds the build on
+# 16 cores) and from the work each stage does:
 #   stage       estimate  limit  what
 #   info              10     60  toolchain probe (nvcc, compute-sanitizer, cmake, ninja, python
 #                                with jax and nanobind, GoogleTest), nvidia-smi
