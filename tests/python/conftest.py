@@ -33,6 +33,18 @@ def random_params(key, config: mj.Config, d: int) -> mj.Params:
     )
 
 
+def random_numpy_params(rng: np.random.Generator, config: mj.Config, d: int) -> mj.Params:
+    """random_params drawn with NumPy (f32 arrays): no JAX compilation for a new shape."""
+    m, width = config.n * d, config.projection_width
+    sign = np.where(rng.uniform(size=3) < 0.3, -1.0, 1.0)
+    return mj.Params(
+        norm_weight=(1.0 + 0.2 * rng.standard_normal(m)).astype(np.float32),
+        phi=(rng.standard_normal((m, width)) / np.sqrt(m)).astype(np.float32),
+        alpha=(sign * rng.uniform(0.5, 1.5, size=3)).astype(np.float32),
+        bias=rng.standard_normal(width).astype(np.float32),
+    )
+
+
 def relative_error(got, want) -> float:
     """||got - want|| / ||want|| in float64; NaN if anything is NaN (so it never passes)."""
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)

@@ -30,7 +30,7 @@ def all_gather_shapes(hlo: str) -> list:
 def check(mesh_shape, axis_names, token_axes, mix, seed, tensor_axis=None):
     devices = np.array(jax.devices()[:8]).reshape(mesh_shape)
     mesh = Mesh(devices, axis_names)
-    config, d = mj.Config(n=4, mix=mix), 40
+    config, d = mj.Config(n=4, mix=mix, sinkhorn_iters=3 if mix == "sinkhorn" else 20, pre_eps=0.1, post_scale=1.3), 40
     kx, kp, kw, kl = jax.random.split(jax.random.key(seed), 4)
     x = jax.random.normal(kx, (16, 3, 4, d))
     params = random_params(kp, config, d)
@@ -109,15 +109,25 @@ def check_flax_layer(seed):
 
     from mhc.flax import ManifoldConstrainedHyperConnections
 
-    config, d = mj.Config(n=3), 16
+    config, d = mj.Config(n=3, sinkhorn_iters=4, pre_eps=0.1, post_scale=1.3), 16
     x = jax.random.normal(jax.random.key(seed), (8, 5, 3, d))
-    plain = ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed))
+    # Trained-looking parameters (alpha of order 1, random bias), the same in every layer.
+    trained = random_params(jax.random.key(seed + 1), config, d)
+
+    def with_trained(layer):
+        for name in mj.Params._fields:
+            getattr(layer, name)[...] = getattr(trained, name)
+        return layer
+
+    plain = with_trained(ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed)))
     want = plain(lambda h: h, jnp.tanh, x)
     layouts = {"data": ((8,), ("data",), None), "data+tensor": ((2, 4), ("data", "tensor"), "tensor")}
     for label, (shape, names, tensor_axis) in layouts.items():
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
-        sharded = ManifoldConstrainedHyperConnections(
-            config, d, mesh=mesh, token_axes="data", tensor_axis=tensor_axis, rngs=nnx.Rngs(seed)
+        sharded = with_trained(
+            ManifoldConstrainedHyperConnections(
+                config, d, mesh=mesh, token_axes="data", tensor_axis=tensor_axis, rngs=nnx.Rngs(seed)
+            )
         )
         got = sharded(lambda h: h, jnp.tanh, x)
         assert relative_error(got, want) <= 1e-6, f"flax layer with mesh {label} differs from one device"

@@ -10,6 +10,9 @@ import mhc.jax as mj
 from conftest import random_params, relative_error
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+# Every config scalar away from its default (and from the others), so that an FFI layer that drops
+# one fails: the kernels would then run with the default.
+CUSTOM = dict(pre_eps=0.1, sinkhorn_eps=0.05, rms_eps=0.5, post_scale=1.3)
 
 
 def sublayer(x, layer_out, params, config, use_kernel):
@@ -23,10 +26,24 @@ def sublayer(x, layer_out, params, config, use_kernel):
 @pytest.mark.parametrize("n", [1, 3, 4])
 @pytest.mark.parametrize("d", [1, 130, 512])
 def test_outputs_and_gradients(seed, dtype, mix, n, d):
-    config = mj.Config(n=n, mix=mix)
+    check_outputs_and_gradients(seed, dtype, mj.Config(n=n, mix=mix), d)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "mix,n,iters", [("sinkhorn", 3, 1), ("sinkhorn", 4, 2), ("sinkhorn", 4, 3), ("permutations", 3, 1)]
+)
+def test_non_default_config(seed, dtype, mix, n, iters):
+    """The config's scalars reach the kernels through the FFI attributes (x with mean square near
+    rms_eps, so that it matters)."""
+    check_outputs_and_gradients(seed, dtype, mj.Config(n=n, mix=mix, sinkhorn_iters=iters, **CUSTOM), 130, 0.7)
+
+
+def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
+    n = config.n
     lead = (2, 7)
     kx, klo, kp, kin, kout = jax.random.split(jax.random.key(seed), 5)
-    x = jax.random.normal(kx, (*lead, n, d), jnp.float32).astype(dtype)
+    x = (x_scale * jax.random.normal(kx, (*lead, n, d), jnp.float32)).astype(dtype)
     layer_out = jax.random.normal(klo, (*lead, d), jnp.float32).astype(dtype)
     params = random_params(kp, config, d)
     w_in = jax.random.normal(kin, (*lead, d), jnp.float32).astype(dtype)

@@ -1,7 +1,5 @@
-"""mhc.jax.reference pinned by an independent float64 NumPy evaluation of the spec's forward."""
-
-import itertools
-import math
+"""The independent float64 NumPy oracle (numpy_reference.py): its backward against central
+differences of its forward, and mhc.jax.reference (the plain path) pinned to it, forward and backward."""
 
 import jax
 import jax.numpy as jnp
@@ -9,73 +7,86 @@ import numpy as np
 import pytest
 
 import mhc.jax as mj
+import numpy_reference
 from conftest import random_params, relative_error
 
-
-def numpy_forward(x, layer_out, params, config):
-    """Spec steps 1-8 per token in float64, written from the spec, not from the JAX code."""
-    x = np.asarray(x, np.float64)
-    layer_out = np.asarray(layer_out, np.float64)
-    nw, phi, alpha, bias = (np.asarray(p, np.float64) for p in params)
-    n, d = x.shape[-2:]
-    flat_x = x.reshape(-1, n, d)
-    flat_lo = layer_out.reshape(-1, d)
-    layer_in = np.zeros_like(flat_lo)
-    out = np.zeros_like(flat_x)
-    perms = list(itertools.permutations(range(n)))
-    sig = lambda v: 1.0 / (1.0 + math.exp(-v))  # noqa: E731
-    for t in range(flat_x.shape[0]):
-        xt = flat_x[t].reshape(-1)
-        r = 1.0 / math.sqrt(np.mean(xt * xt) + config.rms_eps)
-        a = np.empty(phi.shape[1])
-        for c in range(phi.shape[1]):
-            group = 0 if c < n else (1 if c < 2 * n else 2)
-            a[c] = alpha[group] * r * np.sum(xt * nw * phi[:, c]) + bias[c]
-        h_pre = np.array([sig(a[k]) + config.pre_eps for k in range(n)])
-        h_post = np.array([config.post_scale * sig(a[n + k]) for k in range(n)])
-        res = a[2 * n :]
-        if config.mix == "sinkhorn":
-            logits = res.reshape(n, n)
-            s = np.exp(logits - logits.max(axis=1, keepdims=True))
-            s = s / s.sum(axis=1, keepdims=True) + config.sinkhorn_eps
-            s = s / (s.sum(axis=0, keepdims=True) + config.sinkhorn_eps)
-            for _ in range(config.sinkhorn_iters - 1):
-                s = s / (s.sum(axis=1, keepdims=True) + config.sinkhorn_eps)
-                s = s / (s.sum(axis=0, keepdims=True) + config.sinkhorn_eps)
-            h_res = s
-        else:
-            w = np.exp(res - res.max())
-            w = w / w.sum()
-            h_res = np.zeros((n, n))
-            for p, perm in enumerate(perms):
-                for i in range(n):
-                    h_res[i, perm[i]] += w[p]
-        layer_in[t] = h_pre @ flat_x[t]
-        out[t] = h_res.T @ flat_x[t] + h_post[:, None] * flat_lo[t][None, :]
-    return layer_in.reshape(layer_out.shape), out.reshape(x.shape)
+CUSTOM = dict(pre_eps=0.1, sinkhorn_eps=0.05, rms_eps=0.5, post_scale=1.3)
 
 
-@pytest.mark.parametrize(
-    "n,d,mix,iters",
-    [
-        (1, 5, "sinkhorn", 20),
-        (3, 7, "sinkhorn", 1),
-        (4, 16, "sinkhorn", 20),
-        (3, 4, "permutations", 20),
-        (4, 9, "permutations", 20),
-    ],
-)
-def test_reference_forward_matches_numpy(seed, n, d, mix, iters):
-    config = mj.Config(n=n, mix=mix, sinkhorn_iters=iters)
-    kx, klo, kp = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(kx, (2, 3, n, d), jnp.float32)
-    layer_out = jax.random.normal(klo, (2, 3, d), jnp.float32)
+CASES = [
+    (3, 7, "sinkhorn", 1, {}),
+    (4, 16, "sinkhorn", 20, {}),
+    (4, 9, "permutations", 20, {}),
+    (3, 6, "sinkhorn", 2, CUSTOM),
+    (3, 4, "permutations", 1, CUSTOM),
+]
+CASE_IDS = [f"{mix}-n{n}-d{d}-it{iters}{'-custom' if extra else ''}" for n, d, mix, iters, extra in CASES]
+
+
+def problem(seed, n, d, mix, iters, extra, lead=(2, 3)):
+    config = mj.Config(n=n, mix=mix, sinkhorn_iters=iters, **extra)
+    kx, klo, kp, ki, ko = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(kx, (*lead, n, d), jnp.float32) * (0.7 if extra else 1.0)
+    layer_out = jax.random.normal(klo, (*lead, d), jnp.float32)
     params = random_params(kp, config, d)
-    layer_in, ctx = mj.reference.pre(x, params, config)
-    out = mj.reference.post(layer_out, ctx)
-    want_in, want_out = numpy_forward(x, layer_out, params, config)
-    assert relative_error(layer_in, want_in) <= 1e-5, f"layer_in (seed {seed})"
-    assert relative_error(out, want_out) <= 1e-5, f"out (seed {seed})"
+    dlayer_in = jax.random.normal(ki, (*lead, d), jnp.float32)
+    dout = jax.random.normal(ko, (*lead, n, d), jnp.float32)
+    return config, x, layer_out, params, dlayer_in, dout
+
+
+# Small shapes: central differences cost two forwards per input element.
+FD_CASES = [(2, 3, "sinkhorn", 1, {}), (3, 2, "sinkhorn", 3, CUSTOM), (3, 2, "permutations", 20, {})]
+
+
+@pytest.mark.parametrize("n,d,mix,iters,extra", FD_CASES, ids=[f"{c[2]}-n{c[0]}-it{c[3]}" for c in FD_CASES])
+def test_numpy_backward_matches_finite_differences(seed, n, d, mix, iters, extra):
+    config, x, layer_out, params, dlayer_in, dout = problem(seed, n, d, mix, iters, extra, lead=(3,))
+    inputs = [np.asarray(v, np.float64) for v in (x, layer_out, *params)]
+    w_in, w_out = np.asarray(dlayer_in, np.float64), np.asarray(dout, np.float64)
+
+    def loss(values):
+        layer_in, out = numpy_reference.forward(values[0], values[1], mj.Params(*values[2:]), config)
+        return np.sum(layer_in * w_in) + np.sum(out * w_out)
+
+    dx, dlo, dparams = numpy_reference.backward(inputs[0], inputs[1], mj.Params(*inputs[2:]), config, w_in, w_out)
+    names = ["x", "layer_out", *mj.Params._fields]
+    for index, (name, analytic) in enumerate(zip(names, [dx, dlo, *dparams], strict=True)):
+        numeric = np.zeros_like(inputs[index])
+        for k in np.ndindex(inputs[index].shape):
+            saved = inputs[index][k]
+            h = 1e-6 * max(1.0, abs(saved))
+            inputs[index][k] = saved + h
+            up = loss(inputs)
+            inputs[index][k] = saved - h
+            down = loss(inputs)
+            inputs[index][k] = saved
+            numeric[k] = (up - down) / (2 * h)
+        error = np.linalg.norm(analytic - numeric) / np.linalg.norm(numeric)
+        assert error <= 1e-6, f"d{name}: backward vs finite differences {error:.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize("n,d,mix,iters,extra", CASES, ids=CASE_IDS)
+def test_plain_path_matches_numpy(seed, n, d, mix, iters, extra):
+    config, x, layer_out, params, dlayer_in, dout = problem(seed, n, d, mix, iters, extra)
+
+    def f(x, layer_out, params):
+        layer_in, ctx = mj.reference.pre(x, params, config)
+        return layer_in, mj.reference.post(layer_out, ctx)
+
+    (layer_in, out), vjp = jax.vjp(f, x, layer_out, params)
+    dx, dlo, dparams = vjp((dlayer_in, dout))
+    want_in, want_out = numpy_reference.forward(x, layer_out, params, config)
+    want_dx, want_dlo, want_dparams = numpy_reference.backward(x, layer_out, params, config, dlayer_in, dout)
+    named = {
+        "layer_in": (layer_in, want_in),
+        "out": (out, want_out),
+        "dx": (dx, want_dx),
+        "dlayer_out": (dlo, want_dlo),
+    }
+    for field, got, want in zip(mj.Params._fields, dparams, want_dparams, strict=True):
+        named["d" + field] = (got, want)
+    for name, (got, want) in named.items():
+        assert relative_error(got, want) <= 1e-5, f"{name} (seed {seed})"
 
 
 def test_permutation_matrices_are_lexicographic():

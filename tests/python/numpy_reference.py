@@ -1,0 +1,140 @@
+"""The spec's forward and backward (../shared/spec/mhc.md) in float64 NumPy, vectorized over tokens.
+
+Written from the spec's text, sharing no code with src/core/reference.cc or mhc.jax.reference, so
+it is an independent oracle for the Python tests: the kernel path and the plain-JAX path are both
+held to it. Its backward is pinned to central differences of its forward (test_reference_numpy.py).
+"""
+
+import itertools
+
+import numpy as np
+
+
+def _sigmoid(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def _softmax(v):
+    e = np.exp(v - v.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def permutation_matrices(n):
+    """[n!, n, n]: [p, i, perm_p(i)] = 1, permutations in lexicographic order."""
+    perms = list(itertools.permutations(range(n)))
+    mats = np.zeros((len(perms), n, n))
+    for p, perm in enumerate(perms):
+        mats[p, np.arange(n), perm] = 1.0
+    return mats
+
+
+def _forward(x, layer_out, params, config):
+    """Every intermediate the backward needs, for tokens flattened to [T, ...]."""
+    nw, phi, alpha, bias = (np.asarray(p, np.float64) for p in params)
+    n, d = x.shape[-2:]
+    x3 = np.asarray(x, np.float64).reshape(-1, n, d)
+    lo = np.asarray(layer_out, np.float64).reshape(-1, d)
+    xf = x3.reshape(len(x3), n * d)
+    r = 1.0 / np.sqrt(np.mean(xf * xf, axis=1) + config.rms_eps)  # step 1
+    projection = (xf * nw) @ phi  # step 2, P
+    z = r[:, None] * projection
+    scale = np.concatenate([np.full(n, alpha[0]), np.full(n, alpha[1]), np.full(phi.shape[1] - 2 * n, alpha[2])])
+    a = scale * z + bias  # step 3
+    s_pre, s_post = _sigmoid(a[:, :n]), _sigmoid(a[:, n : 2 * n])
+    h_pre, h_post = s_pre + config.pre_eps, config.post_scale * s_post  # step 4
+    res = a[:, 2 * n :]
+    steps = []  # (over_columns, sums, result) per Sinkhorn step
+    if config.mix == "sinkhorn":  # step 5
+        soft = _softmax(res.reshape(-1, n, n))
+        current = soft + config.sinkhorn_eps
+        for k in range(2 * config.sinkhorn_iters - 1):
+            over_columns = k % 2 == 0  # columns first and last
+            sums = current.sum(axis=1 if over_columns else 2)
+            current = current / ((sums[:, None, :] if over_columns else sums[:, :, None]) + config.sinkhorn_eps)
+            steps.append((over_columns, sums, current))
+        h_res = current
+    else:
+        soft = _softmax(res)
+        h_res = np.einsum("tp,pij->tij", soft, permutation_matrices(n))
+    layer_in = np.einsum("tk,tkd->td", h_pre, x3)  # step 6
+    out = np.einsum("tij,tid->tjd", h_res, x3) + h_post[:, :, None] * lo[:, None, :]  # step 8
+    return dict(
+        x3=x3,
+        lo=lo,
+        xf=xf,
+        r=r,
+        projection=projection,
+        z=z,
+        scale=scale,
+        s_pre=s_pre,
+        s_post=s_post,
+        h_pre=h_pre,
+        h_post=h_post,
+        h_res=h_res,
+        soft=soft,
+        steps=steps,
+        layer_in=layer_in,
+        out=out,
+    )
+
+
+def forward(x, layer_out, params, config):
+    """(layer_in, out) in float64, shaped like layer_out and x."""
+    f = _forward(x, layer_out, params, config)
+    return f["layer_in"].reshape(np.shape(layer_out)), f["out"].reshape(np.shape(x))
+
+
+def coefficients(x, params, config):
+    """(h_pre [T, n], h_post [T, n], h_res [T, n, n]) in float64, tokens flattened."""
+    f = _forward(x, np.zeros(np.shape(x)[:-2] + np.shape(x)[-1:]), params, config)
+    return f["h_pre"], f["h_post"], f["h_res"]
+
+
+def backward(x, layer_out, params, config, dlayer_in, dout):
+    """The VJP of (layer_in, out) = forward(...) at cotangents (dlayer_in, dout): (dx, dlayer_out,
+    dparams) with dparams in the layout of params, all float64 (spec: Backward)."""
+    f = _forward(x, layer_out, params, config)
+    nw, phi = (np.asarray(p, np.float64) for p in params[:2])
+    n, d = f["x3"].shape[1:]
+    x3, xf, r, h_res = f["x3"], f["xf"], f["r"], f["h_res"]
+    g = np.asarray(dout, np.float64).reshape(x3.shape)
+    dli = np.asarray(dlayer_in, np.float64).reshape(-1, d)
+    # Post, then the pre-apply.
+    dlayer_out = np.einsum("tj,tjd->td", f["h_post"], g)
+    dh_post = np.einsum("td,tjd->tj", f["lo"], g)
+    dh_res = np.einsum("tid,tjd->tij", x3, g)
+    dx3 = np.einsum("tij,tjd->tid", h_res, g) + f["h_pre"][:, :, None] * dli[:, None, :]
+    dh_pre = np.einsum("tkd,td->tk", x3, dli)
+    # Gates (pre_eps has no gradient).
+    da_pre = dh_pre * f["s_pre"] * (1.0 - f["s_pre"])
+    da_post = dh_post * config.post_scale * f["s_post"] * (1.0 - f["s_post"])
+    if config.mix == "sinkhorn":
+        grad = dh_res
+        for over_columns, sums, result in reversed(f["steps"]):
+            axis = 1 if over_columns else 2
+            dots = np.expand_dims((grad * result).sum(axis=axis), axis)
+            grad = (grad - dots) / (np.expand_dims(sums, axis) + config.sinkhorn_eps)
+        soft = f["soft"]
+        da_res = (soft * (grad - (grad * soft).sum(axis=2, keepdims=True))).reshape(len(x3), n * n)
+    else:
+        w = f["soft"]
+        dw = np.einsum("tij,pij->tp", dh_res, permutation_matrices(n))
+        da_res = w * (dw - (w * dw).sum(axis=1, keepdims=True))
+    da = np.concatenate([da_pre, da_post, da_res], axis=1)
+    # Scales, biases, then back through Z = r P and the RMS statistic.
+    dbias = da.sum(axis=0)
+    groups = [slice(0, n), slice(n, 2 * n), slice(2 * n, None)]
+    dalpha = np.array([np.sum(da[:, s] * f["z"][:, s]) for s in groups])
+    dz = f["scale"] * da
+    dp = r[:, None] * dz
+    dr = np.sum(dz * f["projection"], axis=1)
+    dphi = (xf * nw).T @ dp
+    through_projection = dp @ phi.T  # [T, M]
+    dnorm_weight = np.sum(xf * through_projection, axis=0)
+    dxf = dx3.reshape(xf.shape) + through_projection * nw - (dr * r**3)[:, None] * xf / xf.shape[1]
+    dparams = (
+        type(params)(dnorm_weight, dphi, dalpha, dbias)
+        if hasattr(params, "_fields")
+        else (dnorm_weight, dphi, dalpha, dbias)
+    )
+    return dxf.reshape(np.shape(x)), dlayer_out.reshape(np.shape(layer_out)), dparams
