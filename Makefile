@@ -5,7 +5,7 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DMHC_WERROR=ON
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage bench bench-cpp demo \
+.PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
 	example clean
 
 # Debian packages (scripts/setup.sh installs only what is missing).
@@ -55,9 +55,14 @@ lint: setup $(VENV)/.installed
 coverage: python
 	@bash scripts/coverage.sh
 
+# Plants each semantic bug listed in scripts/mutate.py in a copy of the tree (build-mutate/), rebuilds
+# incrementally and runs the fast tests: fails unless every mutation is caught.
+mutate: setup $(VENV)/.installed
+	@python3 scripts/mutate.py
+
 # Every test: C++ (GoogleTest through CTest), sanitizers, a bounded fuzz run, Python (pytest, run
-# once, under coverage), then the lint checks.
-test: test-cpp sanitize fuzz coverage lint
+# once, under coverage), the mutation check, then the lint checks.
+test: test-cpp sanitize fuzz coverage mutate lint
 
 # Kernels vs the jitted plain-JAX path on the roofline (python -m mhc.bench; BENCH_ARGS passes
 # flags, e.g. BENCH_ARGS="--tokens 8192 --dims 4096 --dtypes bf16 --json bench.json").
@@ -78,4 +83,4 @@ example: build
 	@$(BUILD)/mhc_example
 
 clean:
-	@rm -rf $(BUILD) build-asan build-tsan build-fuzz build-lint build-coverage $(VENV)
+	@rm -rf $(BUILD) build-asan build-tsan build-fuzz build-lint build-coverage build-mutate $(VENV)

@@ -1,0 +1,436 @@
+#!/usr/bin/env python3
+"""Mutation check of the test suite (`make mutate`): plants each semantic bug below in a copy of the
+tree, rebuilds incrementally, runs the fast tests, and fails unless every mutation is caught.
+
+A mutation that survives is a test to write, never an entry to delete. When the code a mutation
+edits changes, update its `old` text: the script refuses a mutation whose text it cannot find.
+
+    python3 scripts/mutate.py                 # all mutations
+    python3 scripts/mutate.py --list          # names and descriptions
+    python3 scripts/mutate.py --only NAME...  # some of them
+    python3 scripts/mutate.py --keep-going    # run every mutation even after a survivor
+
+The copy lives in build-mutate/tree (kept between runs, so rebuilds are incremental); only tracked
+and untracked-but-not-ignored files are copied. Stdlib only; the Python stage uses .venv's python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "build-mutate"
+TREE = WORK / "tree"
+BUILD = WORK / "build"
+VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
+
+# The C++ stage: every kernel, split, reference and edge test but the slow timing-style ones (thread
+# counts, roofline, determinism sweeps, the D = 1024 shapes); stops at the first failure.
+CPP_FILTER = "-CoefficientTokenLoop.*:Threads.*:Roofline.*:MixAndDtype/*:*D1024*"
+# The Python stage: the tests that reach the kernels through the FFI with non-default configs.
+PYTHON_TESTS = [
+    "tests/python/test_kernels_vs_reference.py::test_non_default_config",
+    "tests/python/test_properties.py::test_kernel_path_matches_float64_reference",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Edit:
+    path: str
+    old: str
+    new: str
+    count: int = 1  # occurrences of `old` the file must hold; all of them are replaced
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    description: str
+    edits: tuple[Edit, ...]
+    python: bool = False  # also run the Python stage (bugs the C++ tests cannot see)
+
+
+COEFFICIENTS = "src/cpu/coefficients.cc"
+POST = "src/cpu/post.cc"
+SIMD = "src/cpu/simd.h"
+VECTOR_MATH = "src/cpu/vector_math.cc"
+REFERENCE = "src/core/reference.cc"
+
+MUTATIONS = (
+    Mutation(
+        "post_scale_ignored",
+        "the kernels use post_scale = 2 whatever the config says",
+        (
+            Edit(COEFFICIENTS, "config_.post_scale * sigmoid", "2.0 * sigmoid"),
+            Edit(COEFFICIENTS, "double{config_.post_scale}", "2.0"),
+        ),
+    ),
+    Mutation(
+        "ffi_drops_config_scalars",
+        "the FFI layer drops sinkhorn_eps, rms_eps, pre_eps and post_scale (the kernels see defaults)",
+        (
+            Edit(
+                "src/ffi/handler_common.h",
+                "  config.sinkhorn_eps = sinkhorn_eps;\n  config.rms_eps = rms_eps;\n"
+                "  config.pre_eps = pre_eps;\n  config.post_scale = post_scale;\n",
+                "  (void)sinkhorn_eps, (void)rms_eps, (void)pre_eps, (void)post_scale;\n",
+            ),
+        ),
+        python=True,
+    ),
+    Mutation(
+        "sinkhorn_one_iteration_short",
+        "one Sinkhorn iteration fewer than configured (forward and backward), when there are two or more",
+        (
+            Edit(
+                COEFFICIENTS,
+                "const int64_t steps = 2 * config.sinkhorn_iters - 1;",
+                "const int64_t steps = 2 * config.sinkhorn_iters - (config.sinkhorn_iters > 1 ? 3 : 1);",
+            ),
+            Edit(
+                COEFFICIENTS,
+                "const int64_t steps = 2 * config_.sinkhorn_iters - 1;",
+                "const int64_t steps = 2 * config_.sinkhorn_iters - (config_.sinkhorn_iters > 1 ? 3 : 1);",
+            ),
+            Edit(
+                COEFFICIENTS,
+                "for (int64_t step = 2 * config_.sinkhorn_iters - 2; step >= 0; --step) {",
+                "for (int64_t step = 2 * config_.sinkhorn_iters - (config_.sinkhorn_iters > 1 ? 4 : 2);"
+                " step >= 0; --step) {",
+            ),
+        ),
+    ),
+    Mutation(
+        "h_pre_without_pre_eps",
+        "H_pre = sigmoid(a) without + pre_eps",
+        (Edit(COEFFICIENTS, "sigmoid(logits_[k]) + config_.pre_eps", "sigmoid(logits_[k])"),),
+    ),
+    Mutation(
+        "bf16_loads_drop_lowest_bit",
+        "every bf16 load clears the lowest mantissa bit (inputs off by up to 2^-7)",
+        (
+            Edit(
+                SIMD,
+                "const Bits8x16 bits = *reinterpret_cast<const UnalignedBits8x16*>(p);",
+                "const Bits8x16 bits = *reinterpret_cast<const UnalignedBits8x16*>(p) & (uint16_t)0xfffe;",
+            ),
+            Edit(
+                VECTOR_MATH,
+                "static_cast<uint32_t>(src[k].bits) << 16",
+                "static_cast<uint32_t>(src[k].bits & 0xfffeu) << 16",
+            ),
+            Edit(
+                POST,
+                "inline float scalar(bf16 v) { return to_float(v); }",
+                "inline float scalar(bf16 v) { return to_float(bf16{static_cast<uint16_t>(v.bits & 0xfffeu)}); }",
+            ),
+        ),
+    ),
+    Mutation(
+        "bf16_stores_truncate",
+        "bf16 stores truncate instead of rounding to nearest even",
+        (
+            Edit(
+                SIMD,
+                "const Bits8x32 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;",
+                "const Bits8x32 rounded = bits >> 16;",
+            ),
+            Edit(
+                VECTOR_MATH,
+                "for (int64_t k = 0; k < count; ++k) dst[k] = to_bf16(src[k]);",
+                "for (int64_t k = 0; k < count; ++k) {\n    uint32_t word;\n    std::memcpy(&word, src + k, 4);\n"
+                "    dst[k] = bf16{static_cast<uint16_t>(word >> 16)};\n  }",
+            ),
+            Edit(
+                POST,
+                "inline void put(bf16* p, double v) { *p = to_bf16(static_cast<float>(v)); }",
+                "inline void put(bf16* p, double v) {\n  const float f = static_cast<float>(v);\n  uint32_t word;\n"
+                "  std::memcpy(&word, &f, 4);\n  p->bits = static_cast<uint16_t>(word >> 16);\n}",
+            ),
+        ),
+    ),
+    Mutation(
+        "h_res_transposed_in_kernels_and_reference",
+        "out[j] sums row j of H_res instead of column j, in the kernels and in the float64 reference alike",
+        (
+            Edit(POST, "const double h = hr[i * n + j];", "const double h = hr[j * n + i];", count=2),
+            Edit(
+                POST,
+                "acc += double{hr[i * n + j]} * scalar(x[i * D + d]);",
+                "acc += double{hr[j * n + i]} * scalar(x[i * D + d]);",
+            ),
+            Edit(POST, "dx += double{hr[i * n + j]} * gj;", "dx += double{hr[j * n + i]} * gj;"),
+            Edit(POST, "Block& r = res[i * n + j];", "Block& r = res[j * n + i];"),
+            Edit(POST, "res_tail[i * n + j] += xi * gj;", "res_tail[j * n + i] += xi * gj;"),
+            Edit(
+                REFERENCE,
+                "value += h_res[(t * n + i) * n + j] * x[(t * n + i) * D + d];",
+                "value += h_res[(t * n + j) * n + i] * x[(t * n + i) * D + d];",
+            ),
+            Edit(
+                REFERENCE,
+                "out.dh_res[(t * n + i) * n + j] += x[(t * n + i) * D + d] * gj;",
+                "out.dh_res[(t * n + j) * n + i] += x[(t * n + i) * D + d] * gj;",
+            ),
+            Edit(
+                REFERENCE,
+                "out.dx_partial[(t * n + i) * D + d] += h_res[(t * n + i) * n + j] * gj;",
+                "out.dx_partial[(t * n + i) * D + d] += h_res[(t * n + j) * n + i] * gj;",
+            ),
+        ),
+        python=True,
+    ),
+    Mutation(
+        "h_res_transposed_in_post_forward",
+        "post_forward alone sums row j of H_res (the backward and the reference keep column j)",
+        (
+            Edit(
+                POST,
+                "        const double h = hr[i * n + j];\n        acc.low += h * rows[i].low;",
+                "        const double h = hr[j * n + i];\n        acc.low += h * rows[i].low;",
+            ),
+            Edit(
+                POST,
+                "acc += double{hr[i * n + j]} * scalar(x[i * D + d]);",
+                "acc += double{hr[j * n + i]} * scalar(x[i * D + d]);",
+            ),
+        ),
+    ),
+    Mutation(
+        "sinkhorn_ends_on_rows",
+        "the Sinkhorn steps start and end on rows instead of columns (forward and backward)",
+        (
+            Edit(
+                COEFFICIENTS,
+                "const bool over_columns = step % 2 == 0;",
+                "const bool over_columns = step % 2 == 1;",
+                count=2,
+            ),
+        ),
+    ),
+    Mutation(
+        "rms_term_with_r_not_r_cubed",
+        "the RMS term of dx uses r instead of r^3",
+        (
+            Edit(
+                "src/cpu/pre_backward.cc",
+                "dr * r * r * r / static_cast<double>(dims.M_full)",
+                "dr * r / static_cast<double>(dims.M_full)",
+            ),
+        ),
+    ),
+    Mutation(
+        "dalpha_without_r",
+        "dalpha sums da * P instead of da * Z = da * r P",
+        (Edit(COEFFICIENTS, "dalpha[group] += da[c] * (r * P[c]);", "dalpha[group] += da[c] * P[c];"),),
+    ),
+    Mutation(
+        "sinkhorn_backward_sign",
+        "the Sinkhorn step backward adds the dot instead of subtracting it",
+        (
+            Edit(
+                COEFFICIENTS,
+                "grad[i * n + j] = (grad[i * n + j] - dots_[k]) / (sums[k] + eps);",
+                "grad[i * n + j] = (grad[i * n + j] + dots_[k]) / (sums[k] + eps);",
+            ),
+        ),
+    ),
+    Mutation(
+        "permutation_table_off_by_one",
+        "the kernels' permutation table starts at the second permutation (p -> p + 1 mod n!)",
+        (
+            Edit(
+                COEFFICIENTS,
+                "const std::vector<int> perm = permutation(n_, p);",
+                "const std::vector<int> perm = permutation(n_, (p + 1) % R_);",
+            ),
+        ),
+    ),
+    Mutation(
+        "permutation_order_shared",
+        "permutation(n, p), shared by the kernels and the reference, returns the (p+1)-th permutation",
+        (
+            Edit(
+                "src/core/config.cc",
+                "  std::vector<int> unused(static_cast<size_t>(n));",
+                "  p = (p + 1) % count;\n  std::vector<int> unused(static_cast<size_t>(n));",
+            ),
+        ),
+    ),
+)
+
+
+def run(command, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, text=True, capture_output=True, **kwargs)
+
+
+def tree_files() -> list[str]:
+    """Tracked and untracked-but-not-ignored files, as the device tool and CI see the tree."""
+    listed = run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True)
+    return [path for path in listed.stdout.split("\0") if path and (ROOT / path).is_file()]
+
+
+def sync_tree() -> None:
+    """Copies changed files only (unchanged ones keep their timestamps, so rebuilds stay incremental)."""
+    wanted = set(tree_files())
+    for path in sorted(wanted):
+        source, target = ROOT / path, TREE / path
+        data = source.read_bytes()
+        if not target.exists() or target.read_bytes() != data:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            shutil.copymode(source, target)
+    for target in TREE.rglob("*"):
+        relative = target.relative_to(TREE).as_posix()
+        if target.is_file() and relative not in wanted and not relative.startswith("python/mhc/_mhc_"):
+            target.unlink()
+
+
+def configure() -> None:
+    if (BUILD / "CMakeCache.txt").exists():
+        return
+    command = [
+        "cmake", "-S", str(TREE), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release", "-DMHC_BUILD_CUDA=OFF",
+        "-DMHC_BUILD_BENCH=OFF", "-DMHC_BUILD_EXAMPLES=OFF", "-DMHC_BUILD_PYTHON=ON",
+        f"-DPython_EXECUTABLE={VENV_PYTHON}",
+    ]  # fmt: skip
+    result = run(command)
+    if result.returncode != 0:
+        sys.exit(f"mutate: configure failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+
+
+def build() -> subprocess.CompletedProcess:
+    jobs = str(os.cpu_count() or 2)
+    result = run(["cmake", "--build", str(BUILD), "-j", jobs, "--target", "mhc_tests", "_mhc_cpu"])
+    if result.returncode == 0:
+        for module in BUILD.glob("_mhc_cpu*.so"):
+            shutil.copy2(module, TREE / "python" / "mhc" / module.name)
+    return result
+
+
+def cpp_stage() -> tuple[bool, str]:
+    """True when every selected test passes; with the first failing test's name otherwise."""
+    shards, processes = 2, []
+    for index in range(shards):
+        env = dict(os.environ, GTEST_TOTAL_SHARDS=str(shards), GTEST_SHARD_INDEX=str(index))
+        command = [str(BUILD / "mhc_tests"), "--gtest_brief=1", "--gtest_fail_fast", f"--gtest_filter={CPP_FILTER}"]
+        processes.append(
+            subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    passed, failures = True, []
+    for process in processes:
+        output, _ = process.communicate()
+        if process.returncode != 0:
+            passed = False
+            failures += [
+                line.split("]", 1)[1].split(",")[0].strip()
+                for line in output.splitlines()
+                if line.startswith("[  FAILED  ]")
+            ]
+            if not failures:
+                failures.append(f"exit {process.returncode}: {output.strip().splitlines()[-1:] or ''}")
+    return passed, failures[0] if failures else ""
+
+
+def python_stage() -> tuple[bool, str]:
+    env = dict(os.environ, PYTHONPATH=str(TREE / "python"), JAX_PLATFORMS="cpu")
+    command = [str(VENV_PYTHON), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PYTHON_TESTS]
+    result = run(command, cwd=TREE, env=env)
+    if result.returncode == 0:
+        return True, ""
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
+    return False, (failed[0][7:] if failed else f"pytest exit {result.returncode}")[:110]
+
+
+def apply(mutation: Mutation) -> dict[Path, str]:
+    """Applies the edits in the copy; returns the original texts to restore."""
+    originals: dict[Path, str] = {}
+    for edit in mutation.edits:
+        path = TREE / edit.path
+        text = path.read_text()
+        originals.setdefault(path, text)
+        found = text.count(edit.old)
+        if found != edit.count:
+            restore(originals)
+            sys.exit(f"mutate: {mutation.name}: expected {edit.count} x {edit.old!r} in {edit.path}, found {found}")
+        path.write_text(text.replace(edit.old, edit.new))
+    return originals
+
+
+def restore(originals: dict[Path, str]) -> None:
+    for path, text in originals.items():
+        path.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
+    parser.add_argument("--keep-going", action="store_true", help="run every mutation after a survivor")
+    args = parser.parse_args()
+    names = {m.name for m in MUTATIONS}
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:44s} {m.description}")
+        return 0
+    unknown = set(args.only or []) - names
+    if unknown:
+        parser.error(f"unknown mutation(s) {sorted(unknown)}; --list shows them")
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    if not VENV_PYTHON.exists():
+        sys.exit(f"mutate: {VENV_PYTHON} is missing; `make python` creates it")
+
+    started = time.monotonic()
+    WORK.mkdir(exist_ok=True)
+    sync_tree()
+    configure()
+    print("mutate: baseline build and tests (unmutated)", flush=True)
+    result = build()
+    if result.returncode != 0:
+        sys.exit(f"mutate: the unmutated copy does not build\n{result.stdout[-3000:]}")
+    for stage_name, stage in (("C++", cpp_stage), ("Python", python_stage)):
+        passed, detail = stage()
+        if not passed:
+            sys.exit(f"mutate: the unmutated {stage_name} tests fail ({detail}); fix that first")
+    print(f"mutate: baseline passes ({time.monotonic() - started:.0f} s)", flush=True)
+
+    survivors = []
+    for index, mutation in enumerate(chosen, 1):
+        begun = time.monotonic()
+        originals = apply(mutation)
+        try:
+            result = build()
+            if result.returncode != 0:
+                verdict, caught = "does not compile (fix the mutation)", False
+            else:
+                passed, detail = cpp_stage()
+                if passed and mutation.python:
+                    passed, detail = python_stage()
+                caught = not passed
+                verdict = f"caught by {detail}" if caught else "SURVIVED"
+        finally:
+            restore(originals)
+        print(
+            f"[{index:2d}/{len(chosen)}] {mutation.name:44s} {time.monotonic() - begun:5.0f} s  {verdict}", flush=True
+        )
+        if not caught:
+            survivors.append(mutation.name)
+            if not args.keep_going:
+                break
+    build()  # leave the copy's build unmutated for the next run
+    print(f"mutate: {len(chosen) - len(survivors)} caught, {len(survivors)} not, in {time.monotonic() - started:.0f} s")
+    if survivors:
+        print(f"mutate: not caught: {', '.join(survivors)} (write the test that catches it)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
