@@ -50,18 +50,29 @@ TEST(LargeShapes, BeyondTwoToThe31Elements) {
                TensorRef(h_post.data(), {T, n}), TensorRef(h_res.data(), {T, n, n}),
                MutableTensorRef(out.data(), {T, n, D}));
 
+  // Each checked token against the float64 reference of its own x: coefficients (f32) and
+  // layer_in (bf16) from pre_forward, and out from the reference's coefficients, with layer_out =
+  // the layer_in the kernel wrote (an input of post_forward, exact in double).
   const int64_t boundary_token = (int64_t{1} << 31) / M;
+  auto slice = [](const std::vector<float>& v, int64_t t, int64_t width) {
+    return Vec(v.begin() + t * width, v.begin() + (t + 1) * width);
+  };
   for (int64_t t : {int64_t{0}, boundary_token - 1, boundary_token, T - 1}) {
     const Vec xt = token_values(t);
     const reference::PreForward want = reference::pre_forward(config, xt, params);
     Vec got_layer_in(static_cast<size_t>(D)), got_out(static_cast<size_t>(M));
     for (int64_t d = 0; d < D; ++d) got_layer_in[d] = to_float(layer_in[t * D + d]);
     for (int64_t m = 0; m < M; ++m) got_out[m] = to_float(out[t * M + m]);
-    EXPECT_LE(relative_error(got_layer_in, want.layer_in), 1e-2) << "layer_in, token " << t;
-    const Vec want_out = reference::post_forward(
-        config, xt, got_layer_in, Vec(h_post.begin() + t * n, h_post.begin() + (t + 1) * n),
-        Vec(h_res.begin() + t * n * n, h_res.begin() + (t + 1) * n * n));
-    EXPECT_LE(relative_error(got_out, want_out), 1e-2) << "out, token " << t;
+    EXPECT_TRUE(matches_reference(DType::f32, slice(h_pre, t, n), want.h_pre))
+        << "h_pre, token " << t;
+    EXPECT_TRUE(matches_reference(DType::f32, slice(h_post, t, n), want.h_post))
+        << "h_post, token " << t;
+    EXPECT_TRUE(matches_reference(DType::f32, slice(h_res, t, n * n), want.h_res))
+        << "h_res, token " << t;
+    EXPECT_TRUE(matches_reference(DType::bf16, got_layer_in, want.layer_in))
+        << "layer_in, token " << t;
+    const Vec want_out = reference::post_forward(config, xt, got_layer_in, want.h_post, want.h_res);
+    EXPECT_TRUE(matches_reference(DType::bf16, got_out, want_out)) << "out, token " << t;
   }
 }
 

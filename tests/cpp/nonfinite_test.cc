@@ -71,6 +71,8 @@ TEST_P(NonFinite, InActivationsStaysInItsToken) {
   pre_forward(config, x.ref(), host_params.view(),
               {layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   expect_only_token("layer_in", layer_in, kD, value);
+  expect_only_token("h_pre", h_pre, kN, value);
+  expect_only_token("h_post", h_post, kN, value);
   expect_only_token("h_res", h_res, kN * kN, value);
 
   HostTensor layer_out = random({kT, kD});
@@ -89,6 +91,7 @@ TEST_P(NonFinite, InActivationsStaysInItsToken) {
                 good_res.ref(), {dxp.mut(), dlo.mut(), dhp.mut(), dhr.mut()});
   expect_only_token("dx_partial", dxp, kN * kD, value);
   expect_only_token("dlayer_out", dlo, kD, value);
+  expect_only_token("dh_post", dhp, kN, value);
   expect_only_token("dh_res", dhr, kN * kN, value);
 
   // pre_backward: the bad token's dx is non-finite; parameter gradients sum over all tokens.
