@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "mhc/export.h"
+
 namespace mhc {
 
 // How H_res, the doubly stochastic stream mix, is built from its logits.
@@ -12,7 +14,7 @@ enum class Mix {
   permutations,  // convex mix of the n! permutation matrices ("mHC-lite"), R = n! logits
 };
 
-const char* to_string(Mix mix);
+MHC_API const char* to_string(Mix mix);
 
 // Largest stream counts the library accepts. Sinkhorn's per-token state is n*n floats; the
 // permutation mix has n! logits, so 6 (720 columns) is where it stops being "small".
@@ -37,22 +39,22 @@ struct Config {
 };
 
 // M = n*D: one token's flattened streams (all of D, whatever tensor_parallel is).
-int64_t flat_width(const Config& config);
+MHC_API int64_t flat_width(const Config& config);
 // D / tensor_parallel: the features per stream that one call's tensors hold.
-int64_t local_dim(const Config& config);
+MHC_API int64_t local_dim(const Config& config);
 // R: n*n for Sinkhorn, n! for permutations.
-int64_t residual_logits(const Config& config);
+MHC_API int64_t residual_logits(const Config& config);
 // N = 2n + R: columns of phi and entries of bias.
-int64_t projection_width(const Config& config);
+MHC_API int64_t projection_width(const Config& config);
 
 // Throws mhc::Error naming the field when the config is outside what the spec allows:
 // 1 <= n <= 16 (<= 6 for permutations), D >= 1, 1 <= sinkhorn_iters <= 10000,
 // eps values finite and >= 0 with rms_eps > 0, post_scale finite, tensor_parallel >= 1 and
 // dividing D.
-void validate(const Config& config, const char* op = "mhc::Config");
+MHC_API void validate(const Config& config, const char* op = "mhc::Config");
 
 // The p-th permutation of range(n) in lexicographic order (p = 0 is the identity):
 // result[i] = perm_p(i). Requires 0 <= p < n!.
-std::vector<int> permutation(int64_t n, int64_t p);
+MHC_API std::vector<int> permutation(int64_t n, int64_t p);
 
 }  // namespace mhc

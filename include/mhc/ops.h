@@ -26,6 +26,7 @@
 
 #include "mhc/config.h"
 #include "mhc/error.h"
+#include "mhc/export.h"
 #include "mhc/tensor.h"
 
 namespace mhc {
@@ -55,13 +56,14 @@ struct PreForwardOutputs {
   MutableTensorRef h_post;
   MutableTensorRef h_res;
 };
-void pre_forward(const Config& config, const TensorRef& x, const Params& params,
-                 const PreForwardOutputs& outputs);
+MHC_API void pre_forward(const Config& config, const TensorRef& x, const Params& params,
+                         const PreForwardOutputs& outputs);
 
 // out[t,j,d] = sum_i h_res[t,i,j] x[t,i,d] + h_post[t,j] layer_out[t,d]   (spec: step 8).
 // out [T, n, D] has the dtype of x.
-void post_forward(const Config& config, const TensorRef& x, const TensorRef& layer_out,
-                  const TensorRef& h_post, const TensorRef& h_res, const MutableTensorRef& out);
+MHC_API void post_forward(const Config& config, const TensorRef& x, const TensorRef& layer_out,
+                          const TensorRef& h_post, const TensorRef& h_res,
+                          const MutableTensorRef& out);
 
 // g = dL/dout [T, n, D] -> dx_partial [T, n, D] (the part of dx that flows through H_res),
 // dlayer_out [T, D], dh_post [T, n], dh_res [T, n, n]   (spec: Backward, Post).
@@ -71,16 +73,17 @@ struct PostBackwardOutputs {
   MutableTensorRef dh_post;
   MutableTensorRef dh_res;
 };
-void post_backward(const Config& config, const TensorRef& g, const TensorRef& x,
-                   const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
-                   const PostBackwardOutputs& outputs);
+MHC_API void post_backward(const Config& config, const TensorRef& g, const TensorRef& x,
+                           const TensorRef& layer_out, const TensorRef& h_post,
+                           const TensorRef& h_res, const PostBackwardOutputs& outputs);
 
 // dlayer_in [T, D], dx_partial [T, n, D], dh_post [T, n], dh_res [T, n, n] -> dx [T, n, D] and
 // the parameter gradients. Recomputes r, P, the gates and every Sinkhorn step from x, so nothing
 // but x has to be kept from the forward; dx = dx_partial + (pre-apply and coefficient terms).
-void pre_backward(const Config& config, const TensorRef& dlayer_in, const TensorRef& dx_partial,
-                  const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
-                  const Params& params, const MutableTensorRef& dx, const ParamGrads& grads);
+MHC_API void pre_backward(const Config& config, const TensorRef& dlayer_in,
+                          const TensorRef& dx_partial, const TensorRef& dh_post,
+                          const TensorRef& dh_res, const TensorRef& x, const Params& params,
+                          const MutableTensorRef& dx, const ParamGrads& grads);
 
 // Tensor parallelism: D split into config.tensor_parallel equal slices, one per device.
 //
@@ -100,32 +103,34 @@ void pre_backward(const Config& config, const TensorRef& dlayer_in, const Tensor
 
 // partials [T, N+1] f32: [t, c] = sum over the slice of x[t, m] norm_weight[m] phi[m, c] for
 // c < N, and [t, N] = sum over the slice of x[t, m]^2 (spec: Forward steps 1-2, before r).
-void pre_forward_partials(const Config& config, const TensorRef& x, const TensorRef& norm_weight,
-                          const TensorRef& phi, const MutableTensorRef& partials);
+MHC_API void pre_forward_partials(const Config& config, const TensorRef& x,
+                                  const TensorRef& norm_weight, const TensorRef& phi,
+                                  const MutableTensorRef& partials);
 
 // From the partials summed over all slices: the coefficients (the same on every device) and
 // this slice of layer_in [T, Dl] (spec: Forward steps 3-6).
-void pre_forward_finish(const Config& config, const TensorRef& x, const TensorRef& partials,
-                        const TensorRef& alpha, const TensorRef& bias,
-                        const PreForwardOutputs& outputs);
+MHC_API void pre_forward_finish(const Config& config, const TensorRef& x, const TensorRef& partials,
+                                const TensorRef& alpha, const TensorRef& bias,
+                                const PreForwardOutputs& outputs);
 
 // dh_pre [T, n] f32, this slice's part: [t, k] = sum over the slice of x[t, k, d] dlayer_in[t, d].
-void pre_backward_partials(const Config& config, const TensorRef& dlayer_in, const TensorRef& x,
-                           const MutableTensorRef& dh_pre);
+MHC_API void pre_backward_partials(const Config& config, const TensorRef& dlayer_in,
+                                   const TensorRef& x, const MutableTensorRef& dh_pre);
 
 // From dh_pre, dh_post, dh_res summed over all slices and the forward's summed partials (so
 // nothing is recomputed across devices): this slice of dx [T, n, Dl], the gradients of this
 // slice's rows of norm_weight and phi, and the whole gradients of alpha and bias (every device
 // computes the same values; sum them over the token shards only).
-void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
-                         const TensorRef& dx_partial, const TensorRef& dh_pre,
-                         const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
-                         const TensorRef& partials, const Params& params,
-                         const MutableTensorRef& dx, const ParamGrads& grads);
+MHC_API void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
+                                 const TensorRef& dx_partial, const TensorRef& dh_pre,
+                                 const TensorRef& dh_post, const TensorRef& dh_res,
+                                 const TensorRef& x, const TensorRef& partials,
+                                 const Params& params, const MutableTensorRef& dx,
+                                 const ParamGrads& grads);
 
 // Threads used by the operations; values < 1 restore the default (MHC_NUM_THREADS, else the
 // number of hardware threads).
-void set_num_threads(int threads);
-int num_threads();
+MHC_API void set_num_threads(int threads);
+MHC_API int num_threads();
 
 }  // namespace mhc

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mhc/config.h"
+#include "mhc/export.h"
 
 namespace mhc::reference {
 
@@ -25,10 +26,10 @@ struct PreForward {
   Vec h_post;    // [T, n]
   Vec h_res;     // [T, n, n]
 };
-PreForward pre_forward(const Config& config, const Vec& x, const Params& params);
+MHC_API PreForward pre_forward(const Config& config, const Vec& x, const Params& params);
 
-Vec post_forward(const Config& config, const Vec& x, const Vec& layer_out, const Vec& h_post,
-                 const Vec& h_res);
+MHC_API Vec post_forward(const Config& config, const Vec& x, const Vec& layer_out,
+                         const Vec& h_post, const Vec& h_res);
 
 struct PostBackward {
   Vec dx_partial;  // [T, n, D]
@@ -36,17 +37,18 @@ struct PostBackward {
   Vec dh_post;     // [T, n]
   Vec dh_res;      // [T, n, n]
 };
-PostBackward post_backward(const Config& config, const Vec& g, const Vec& x, const Vec& layer_out,
-                           const Vec& h_post, const Vec& h_res);
+MHC_API PostBackward post_backward(const Config& config, const Vec& g, const Vec& x,
+                                   const Vec& layer_out, const Vec& h_post, const Vec& h_res);
 
 struct PreBackward {
   Vec dx;  // [T, n, D]
   Params grads;
 };
-PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
-                         const Vec& dh_post, const Vec& dh_res, const Vec& x, const Params& params);
+MHC_API PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
+                                 const Vec& dh_post, const Vec& dh_res, const Vec& x,
+                                 const Params& params);
 
 // H_res of one token from its R residual logits (spec: Forward step 5).
-Vec mix_matrix(const Config& config, const double* residual_logits);
+MHC_API Vec mix_matrix(const Config& config, const double* residual_logits);
 
 }  // namespace mhc::reference

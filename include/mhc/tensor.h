@@ -6,12 +6,14 @@
 #include <initializer_list>
 #include <string>
 
+#include "mhc/export.h"
+
 namespace mhc {
 
 enum class DType { f32, bf16 };
 
-const char* to_string(DType dtype);
-int64_t size_of(DType dtype);
+MHC_API const char* to_string(DType dtype);
+MHC_API int64_t size_of(DType dtype);
 
 // bfloat16 storage: the top 16 bits of an IEEE float32.
 struct bf16 {
@@ -45,14 +47,14 @@ struct TensorRef {
   int64_t shape[kMaxRank] = {0, 0, 0, 0};
 
   TensorRef() = default;
-  TensorRef(const void* data, DType dtype, std::initializer_list<int64_t> dims);
+  MHC_API TensorRef(const void* data, DType dtype, std::initializer_list<int64_t> dims);
   TensorRef(const float* data, std::initializer_list<int64_t> dims)
       : TensorRef(data, DType::f32, dims) {}
   TensorRef(const bf16* data, std::initializer_list<int64_t> dims)
       : TensorRef(data, DType::bf16, dims) {}
 
   int64_t dim(int axis) const { return shape[axis]; }
-  std::string shape_string() const;  // "[T, n, D]" with the numbers filled in
+  MHC_API std::string shape_string() const;  // "[T, n, D]" with the numbers filled in
 };
 
 // The same view over memory an operation writes.
@@ -63,13 +65,13 @@ struct MutableTensorRef {
   int64_t shape[kMaxRank] = {0, 0, 0, 0};
 
   MutableTensorRef() = default;
-  MutableTensorRef(void* data, DType dtype, std::initializer_list<int64_t> dims);
+  MHC_API MutableTensorRef(void* data, DType dtype, std::initializer_list<int64_t> dims);
   MutableTensorRef(float* data, std::initializer_list<int64_t> dims)
       : MutableTensorRef(data, DType::f32, dims) {}
   MutableTensorRef(bf16* data, std::initializer_list<int64_t> dims)
       : MutableTensorRef(data, DType::bf16, dims) {}
 
-  operator TensorRef() const;  // NOLINT(google-explicit-constructor): writable is readable
+  MHC_API operator TensorRef() const;  // NOLINT(google-explicit-constructor): writable is readable
   int64_t dim(int axis) const { return shape[axis]; }
 };
 

@@ -7,7 +7,10 @@ Submodules: ``mhc.jax`` (functional API, custom VJP over the C++ kernels, plain-
 ``MHC_NUM_THREADS`` sets the default, else every hardware thread; ``k < 1`` restores it).
 """
 
+from importlib.metadata import version as _distribution_version
+
 from mhc._mhc_cpu import num_threads, set_num_threads
 
 __all__ = ["num_threads", "set_num_threads"]
-__version__ = "0.1.0"
+# The installed distribution's version, which the build took from include/mhc/version.h.
+__version__ = _distribution_version("mhc")
