@@ -6,7 +6,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
 .PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
-	example clean
+	example consumer clean
 
 # Debian packages (scripts/setup.sh installs only what is missing).
 setup:
@@ -31,6 +31,11 @@ python: setup $(VENV)/.installed
 
 test-cpp: build
 	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# The installed package from a separate CMake project (tests/consumer/, find_package(mhc)): build/
+# installed as built (static), then a library-only shared build (build-install-shared/).
+consumer: build
+	@BUILD=$(BUILD) JOBS=$(JOBS) bash scripts/consumer_test.sh
 
 test-python: python
 	@$(PYTHON) -m pytest -q tests/python
@@ -60,9 +65,9 @@ coverage: python
 mutate: setup $(VENV)/.installed
 	@python3 scripts/mutate.py
 
-# Every test: C++ (GoogleTest through CTest), sanitizers, a bounded fuzz run, Python (pytest, run
-# once, under coverage), the mutation check, then the lint checks.
-test: test-cpp sanitize fuzz coverage mutate lint
+# Every test: C++ (GoogleTest through CTest), the installed package, sanitizers, a bounded fuzz run,
+# Python (pytest, run once, under coverage), the mutation check, then the lint checks.
+test: test-cpp consumer sanitize fuzz coverage mutate lint
 
 # Kernels vs the jitted plain-JAX path on the roofline (python -m mhc.bench; BENCH_ARGS passes
 # flags, e.g. BENCH_ARGS="--tokens 8192 --dims 4096 --dtypes bf16 --json bench.json").
@@ -78,9 +83,13 @@ bench-cpp: build
 demo: python
 	@$(PYTHON) -m mhc.demo $(DEMO_ARGS)
 
-# One mHC sublayer forward and backward through the C++ API alone.
+# One mHC sublayer forward and backward through the C++ API alone: examples/ as a project of its
+# own, built against build/ installed into $(BUILD)/example-install (README, "Use it from C++").
 example: build
-	@$(BUILD)/mhc_example
+	@cmake --install $(BUILD) --prefix $(abspath $(BUILD))/example-install > /dev/null
+	@cmake -S examples -B $(BUILD)/example -DCMAKE_PREFIX_PATH=$(abspath $(BUILD))/example-install > /dev/null
+	@cmake --build $(BUILD)/example
+	@$(BUILD)/example/mhc_example
 
 clean:
-	@rm -rf $(BUILD) build-asan build-tsan build-fuzz build-lint build-coverage build-mutate $(VENV)
+	@rm -rf $(BUILD) build-asan build-tsan build-fuzz build-lint build-coverage build-mutate build-install-shared $(VENV)
