@@ -18,13 +18,6 @@ int64_t product(const std::vector<int64_t>& shape) {
   return count;
 }
 
-double distance(const Vec& a, const Vec& b) {
-  if (a.size() != b.size()) return std::numeric_limits<double>::quiet_NaN();
-  double total = 0.0;
-  for (size_t k = 0; k < a.size(); ++k) total += (a[k] - b[k]) * (a[k] - b[k]);
-  return std::sqrt(total);
-}
-
 }  // namespace
 
 // Room for the guards, the search for a 16-byte boundary (at most 7 elements) and the offset.
@@ -74,23 +67,6 @@ bool Placed::guards_intact() const {
   return true;
 }
 
-void expect_matches(const std::string& name, DType dtype, const Vec& got, const Vec& want,
-                    const std::function<Vec()>& perturbed, const std::string& context) {
-  const testing::AssertionResult bound = matches_reference(dtype, got, want);
-  if (bound || !perturbed) {
-    EXPECT_TRUE(bound) << name << " (" << context << ")";
-    return;
-  }
-  const double absolute = distance(got, want);
-  double spread = 0.0;
-  for (int draw = 0; draw < 4 && !(absolute <= 32.0 * spread); ++draw) {
-    spread = std::max(spread, distance(perturbed(), want));
-  }
-  EXPECT_TRUE(absolute <= 32.0 * spread)
-      << name << ": " << bound.message() << ", and absolute error " << absolute
-      << " > 32 x rounding spread " << spread << " (" << context << ")";
-}
-
 OperationCheck::OperationCheck(const Config& config, int64_t T, DType dtype, int64_t in_offset,
                                int64_t out_offset)
     : config_(config),
@@ -117,18 +93,10 @@ Placed OperationCheck::output(DType dtype, std::vector<int64_t> shape) {
   return Placed(dtype, std::move(shape), out_offset_);
 }
 
-// values * (1 + u), u uniform in [-2^-24, 2^-24]: one f32 rounding unit, the kernels'
-// arithmetic whatever the activation dtype.
-Vec OperationCheck::perturb(const Vec& values) {
-  std::uniform_real_distribution<double> u(-0x1p-24, 0x1p-24);
-  Vec result = values;
-  for (double& v : result) v *= 1.0 + u(rng_);
-  return result;
-}
+Vec OperationCheck::perturb(const Vec& values) { return perturb_f32(rng_, values); }
 
 reference::Params OperationCheck::perturb(const reference::Params& p) {
-  return reference::Params{perturb(p.norm_weight), perturb(p.phi), perturb(p.alpha),
-                           perturb(p.bias)};
+  return perturb_f32(rng_, p);
 }
 
 void OperationCheck::check(const std::string& name, const Placed& got, DType dtype,

@@ -87,10 +87,4 @@ class OperationCheck {
   reference::Params params_;
 };
 
-// got against want by matches_reference for `dtype`; when that fails and `perturbed` is given
-// (an ill-conditioned tensor), the absolute error may instead be within 32x of the largest of up
-// to four draws of |perturbed() - want|. NaN never passes.
-void expect_matches(const std::string& name, DType dtype, const Vec& got, const Vec& want,
-                    const std::function<Vec()>& perturbed, const std::string& context);
-
 }  // namespace mhc::test

@@ -129,59 +129,22 @@ class KernelsVsReference : public testing::TestWithParam<Case> {
     return HostTensor::from(dtype, {T, c.n, c.D}, values);
   }
 
-  // The kernels' arithmetic is f32 or wider whatever the activation dtype.
-  static constexpr double kUnit = 0x1p-24;
-  // values * (1 + u), u uniform in [-kUnit, kUnit].
-  Vec perturb(const Vec& values) {
-    std::uniform_real_distribution<double> u(-kUnit, kUnit);
-    Vec result = values;
-    for (double& v : result) v *= 1.0 + u(rng);
-    return result;
-  }
-  reference::Params perturb(const reference::Params& p) {
-    return reference::Params{perturb(p.norm_weight), perturb(p.phi), perturb(p.alpha),
-                             perturb(p.bias)};
-  }
+  Vec perturb(const Vec& values) { return perturb_f32(rng, values); }
+  reference::Params perturb(const reference::Params& p) { return perturb_f32(rng, p); }
 
   // The ill-conditioned tensors named in the header comment.
   bool ill_conditioned(const std::string& name) const {
     return name == "dalpha" || T * GetParam().D <= 8;
   }
 
-  // `got` against the reference value `want` (test_util.h's bound for its dtype). Only for an
-  // ill-conditioned tensor, `resample` (the reference on inputs perturbed by one f32 rounding
-  // unit) measures the spread that rounding alone causes: the largest of four draws.
+  // `got` against the reference value `want` (test_util.h's bound for its dtype); `resample` (the
+  // reference on inputs perturbed by one f32 rounding unit) is used only for the ill-conditioned.
   void expect_close(const std::string& name, const HostTensor& got, const Vec& want,
                     const std::function<Vec()>& resample) {
-    const Vec values = got.to_double();
-    const testing::AssertionResult bound = matches_reference(got.dtype(), values, want);
-    if (bound || !ill_conditioned(name)) {
-      EXPECT_TRUE(bound) << name << " (" << describe(config, T, GetParam().x_dtype) << ", seed "
-                         << seed << ")";
-      return;
-    }
-    const double absolute = std::sqrt(distance2(values, want));
-    double noise = 0.0;
-    for (int draw = 0; draw < 4 && !(absolute <= 32.0 * noise); ++draw) {
-      noise = std::max(noise, std::sqrt(distance2(resample(), want)));
-    }
-    EXPECT_TRUE(absolute <= 32.0 * noise)
-        << name << ": " << bound.message() << ", and absolute error " << absolute
-        << " > 32 x rounding spread " << noise << " (norm " << std::sqrt(dot(want, want)) << "; "
-        << describe(config, T, GetParam().x_dtype) << ", seed " << seed << ")";
+    expect_matches(name, got.dtype(), got.to_double(), want,
+                   ill_conditioned(name) ? resample : nullptr,
+                   describe(config, T, GetParam().x_dtype) + ", seed " + std::to_string(seed));
   }
-  static double dot(const Vec& a, const Vec& b) {
-    double total = 0.0;
-    for (size_t k = 0; k < a.size(); ++k) total += a[k] * b[k];
-    return total;
-  }
-  static double distance2(const Vec& a, const Vec& b) {
-    if (a.size() != b.size()) return std::numeric_limits<double>::quiet_NaN();
-    double total = 0.0;
-    for (size_t k = 0; k < a.size(); ++k) total += (a[k] - b[k]) * (a[k] - b[k]);
-    return total;
-  }
-
   Config config;
   int64_t T = 0;
   uint64_t seed = 0;

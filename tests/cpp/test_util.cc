@@ -1,5 +1,6 @@
 #include "test_util.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -129,6 +130,42 @@ testing::AssertionResult matches_reference(DType dtype, const Vec& got, const Ve
          << " bf16 elements off the rounded float64 value by more than half an ulp; worst ["
          << worst << "] " << got[worst] << " vs " << want[worst] << " (relative norm error "
          << error << ")";
+}
+
+Vec perturb_f32(std::mt19937_64& rng, const Vec& values) {
+  std::uniform_real_distribution<double> u(-0x1p-24, 0x1p-24);
+  Vec result = values;
+  for (double& v : result) v *= 1.0 + u(rng);
+  return result;
+}
+
+reference::Params perturb_f32(std::mt19937_64& rng, const reference::Params& params) {
+  return reference::Params{perturb_f32(rng, params.norm_weight), perturb_f32(rng, params.phi),
+                           perturb_f32(rng, params.alpha), perturb_f32(rng, params.bias)};
+}
+
+void expect_matches(const std::string& name, DType dtype, const Vec& got, const Vec& want,
+                    const std::function<Vec()>& perturbed, const std::string& context) {
+  const testing::AssertionResult bound = matches_reference(dtype, got, want);
+  if (bound || !perturbed) {
+    EXPECT_TRUE(bound) << name << " (" << context << ")";
+    return;
+  }
+  auto distance = [&want](const Vec& values) {
+    if (values.size() != want.size()) return std::numeric_limits<double>::quiet_NaN();
+    double total = 0.0;
+    for (size_t k = 0; k < values.size(); ++k)
+      total += (values[k] - want[k]) * (values[k] - want[k]);
+    return std::sqrt(total);
+  };
+  const double absolute = distance(got);
+  double spread = 0.0;
+  for (int draw = 0; draw < 4 && !(absolute <= 32.0 * spread); ++draw) {
+    spread = std::max(spread, distance(perturbed()));
+  }
+  EXPECT_TRUE(absolute <= 32.0 * spread)
+      << name << ": " << bound.message() << ", and absolute error " << absolute
+      << " > 32 x rounding spread " << spread << " (" << context << ")";
 }
 
 uint64_t fresh_seed() {

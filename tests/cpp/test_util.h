@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -56,6 +57,18 @@ testing::AssertionResult matches_reference(DType dtype, const Vec& got, const Ve
 
 // Half a bf16 ulp at |value| (bf16 keeps 8 significant bits).
 double half_bf16_ulp(double value);
+
+// values * (1 + u), u uniform in [-2^-24, 2^-24]: inputs moved by one f32 rounding unit, the
+// kernels' working precision whatever the activation dtype.
+Vec perturb_f32(std::mt19937_64& rng, const Vec& values);
+reference::Params perturb_f32(std::mt19937_64& rng, const reference::Params& params);
+
+// `got` against `want` by matches_reference for `dtype`. `perturbed` is given only for an
+// ill-conditioned tensor (the caller names which and why): when the bound fails, the absolute
+// error may instead be within 32x of the largest of up to four draws of |perturbed() - want|,
+// the spread that rounding alone causes. NaN never passes. `context` goes into the message.
+void expect_matches(const std::string& name, DType dtype, const Vec& got, const Vec& want,
+                    const std::function<Vec()>& perturbed, const std::string& context);
 
 // A fresh seed per call (logged by the tests so a failure can be replayed with MHC_TEST_SEED).
 uint64_t fresh_seed();
