@@ -60,8 +60,9 @@ TC_FILTER='*bf16*:CudaDevice.BitwiseRunToRun:CudaDevice.SanitizerVectorPathD1024
 MEMCHECK_FILTER='CudaDevice.SanitizerVectorPathD1024:ByOneElement/MisalignedViews.FourOperations/D64_bf16_all'
 RACECHECK_FILTER='CudaDevice.SanitizerPreBackward'
 SYNCCHECK_FILTER='CudaDevice.SanitizerPreBackward'
-# test_kernels_vs_reference.py on the GPU: both dtypes and mixes at (D, n) = (1, 1) and (130, 4).
-PYTEST_SUBSET='test_cuda or (test_outputs_and_gradients and (1-1- or 130-4-))'
+# test_kernels_vs_reference.py on the GPU: both dtypes and mixes at (D, n) = (1, 1) and (130, 4), and the
+# non-default configs (every config scalar through the CUDA FFI handlers) in f32.
+PYTEST_SUBSET='test_cuda or (test_outputs_and_gradients and (1-1- or 130-4-)) or (test_non_default_config and f32)'
 
 usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
 
