@@ -38,6 +38,7 @@ install(FILES "${PROJECT_BINARY_DIR}/mhcConfig.cmake" "${PROJECT_BINARY_DIR}/mhc
 # anywhere works. The static library's users also need MHC_STATIC and the thread library.
 set(mhc_pc_dir "${CMAKE_INSTALL_LIBDIR}/pkgconfig")
 file(RELATIVE_PATH mhc_pc_prefix "/${mhc_pc_dir}" "/")
+string(REGEX REPLACE "/$" "" mhc_pc_prefix "${mhc_pc_prefix}")
 if(mhc_type STREQUAL "STATIC_LIBRARY")
   set(mhc_pc_cflags " -DMHC_STATIC")
   set(mhc_pc_libs " -pthread")
