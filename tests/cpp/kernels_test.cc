@@ -12,12 +12,10 @@
 // Sinkhorn iterations), so a kernel that ignores a config value fails. When T >= 2 one token of x
 // is all zeros (r = 1/sqrt(rms_eps), finite outputs).
 //
-// Ill-conditioned tensors, the only ones with an allowance: dalpha (three sums over all tokens of
-// terms of both signs) and any tensor of a case with T * D <= 8 (a one-element layer_in or
-// dlayer_out can be a cancelling sum of n terms). Such a tensor can have a norm far below its
-// terms, and no arithmetic that rounds its intermediates to f32 meets a relative bound. For these
-// the reference also runs on inputs perturbed by one f32 rounding unit: an error within 32x of
-// the spread this alone causes is accepted too.
+// Ill-conditioned tensors, the only ones with an allowance (test_util.h, ill_conditioned: dalpha,
+// parameter gradients of at most 8 elements, every tensor when T * D <= 8): the reference also
+// runs on inputs perturbed by one f32 rounding unit, and an error within 32x of the spread this
+// alone causes is accepted too.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -132,17 +130,12 @@ class KernelsVsReference : public testing::TestWithParam<Case> {
   Vec perturb(const Vec& values) { return perturb_f32(rng, values); }
   reference::Params perturb(const reference::Params& p) { return perturb_f32(rng, p); }
 
-  // The ill-conditioned tensors named in the header comment.
-  bool ill_conditioned(const std::string& name) const {
-    return name == "dalpha" || T * GetParam().D <= 8;
-  }
-
   // `got` against the reference value `want` (test_util.h's bound for its dtype); `resample` (the
   // reference on inputs perturbed by one f32 rounding unit) is used only for the ill-conditioned.
   void expect_close(const std::string& name, const HostTensor& got, const Vec& want,
                     const std::function<Vec()>& resample) {
     expect_matches(name, got.dtype(), got.to_double(), want,
-                   ill_conditioned(name) ? resample : nullptr,
+                   ill_conditioned(name, want.size(), T, GetParam().D) ? resample : nullptr,
                    describe(config, T, GetParam().x_dtype) + ", seed " + std::to_string(seed));
   }
   Config config;

@@ -88,12 +88,11 @@ class SplitVsReference : public testing::TestWithParam<Case> {
   }
 
   // `dtype`: the dtype the kernel wrote this tensor in. `perturbed` (the reference on inputs moved
-  // by one f32 rounding unit) is used only for the ill-conditioned tensors, as in kernels_test.cc:
-  // dalpha, and every tensor of a case with T * D <= 8.
+  // by one f32 rounding unit) is used only for the ill-conditioned tensors (test_util.h).
   void expect_close(const std::string& name, DType dtype, const Vec& got, const Vec& want,
                     const std::function<Vec()>& perturbed) {
-    const bool ill_conditioned = name == "dalpha" || GetParam().T * GetParam().D <= 8;
-    expect_matches(name, dtype, got, want, ill_conditioned ? perturbed : nullptr,
+    const bool allowance = ill_conditioned(name, want.size(), GetParam().T, GetParam().D);
+    expect_matches(name, dtype, got, want, allowance ? perturbed : nullptr,
                    describe(config, GetParam().T, GetParam().dtype) + ", " +
                        std::to_string(GetParam().slices) + " slices, seed " + std::to_string(seed));
   }

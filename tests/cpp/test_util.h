@@ -63,6 +63,14 @@ double half_bf16_ulp(double value);
 Vec perturb_f32(std::mt19937_64& rng, const Vec& values);
 reference::Params perturb_f32(std::mt19937_64& rng, const reference::Params& params);
 
+// The ill-conditioned tensors, the only ones given the conditioning allowance below: dalpha (three
+// sums over all tokens of terms of both signs), a parameter gradient of at most 8 elements
+// (dnorm_weight, dphi or dbias at tiny n*D or N: each element such a sum as well), and every
+// tensor of a problem with T * D <= 8 (a one-element layer_in or dlayer_out can be a cancelling
+// sum of n terms). Their norm can lie far below their terms, and no arithmetic that rounds its
+// intermediates to f32 meets a relative bound there.
+bool ill_conditioned(const std::string& name, size_t elements, int64_t T, int64_t D);
+
 // `got` against `want` by matches_reference for `dtype`. `perturbed` is given only for an
 // ill-conditioned tensor (the caller names which and why): when the bound fails, the absolute
 // error may instead be within 32x of the largest of up to four draws of |perturbed() - want|,
