@@ -42,6 +42,7 @@ def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
     lead = (2, 7)
     kx, klo, kp, kin, kout = jax.random.split(jax.random.key(seed), 5)
     x = (x_scale * jax.random.normal(kx, (*lead, n, d), jnp.float32)).astype(dtype)
+    x = x.at[1, 3].set(0)  # an all-zero token: r = 1/sqrt(rms_eps), finite outputs
     layer_out = jax.random.normal(klo, (*lead, d), jnp.float32).astype(dtype)
     params = random_params(kp, config, d)
     w_in = jax.random.normal(kin, (*lead, d), jnp.float32).astype(dtype)
