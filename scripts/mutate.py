@@ -9,6 +9,7 @@ edits changes, update its `old` text: the script refuses a mutation whose text i
     python3 scripts/mutate.py --list          # names and descriptions
     python3 scripts/mutate.py --only NAME...  # some of them
     python3 scripts/mutate.py --keep-going    # run every mutation even after a survivor
+    python3 scripts/mutate.py --all-failures  # count every failing C++ test, not just the first
 
 The copy lives in build-mutate/tree (kept between runs, so rebuilds are incremental); only tracked
 and untracked-but-not-ignored files are copied. Stdlib only; the Python stage uses .venv's python.
@@ -315,12 +316,15 @@ def build() -> subprocess.CompletedProcess:
     return result
 
 
-def cpp_stage() -> tuple[bool, str]:
-    """True when every selected test passes; with the first failing test's name otherwise."""
+def cpp_stage(all_failures: bool = False) -> tuple[bool, str]:
+    """True when every selected test passes; with the first failing test's name otherwise (with
+    all_failures: the number of failing tests, and how many of them are bf16 cases)."""
     shards, processes = 2, []
     for index in range(shards):
         env = dict(os.environ, GTEST_TOTAL_SHARDS=str(shards), GTEST_SHARD_INDEX=str(index))
-        command = [str(BUILD / "mhc_tests"), "--gtest_brief=1", "--gtest_fail_fast", f"--gtest_filter={CPP_FILTER}"]
+        command = [str(BUILD / "mhc_tests"), "--gtest_brief=1", f"--gtest_filter={CPP_FILTER}"]
+        if not all_failures:
+            command.append("--gtest_fail_fast")
         processes.append(
             subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         )
@@ -336,6 +340,9 @@ def cpp_stage() -> tuple[bool, str]:
             ]
             if not failures:
                 failures.append(f"exit {process.returncode}: {output.strip().splitlines()[-1:] or ''}")
+    if all_failures and failures:
+        bf16 = sum("bf16" in name for name in failures)
+        return passed, f"{len(failures)} C++ tests ({bf16} of them bf16), first {failures[0]}"
     return passed, failures[0] if failures else ""
 
 
@@ -374,6 +381,7 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these mutations")
     parser.add_argument("--keep-going", action="store_true", help="run every mutation after a survivor")
+    parser.add_argument("--all-failures", action="store_true", help="count every failing C++ test (slower)")
     args = parser.parse_args()
     names = {m.name for m in MUTATIONS}
     if args.list:
@@ -410,7 +418,7 @@ def main() -> int:
             if result.returncode != 0:
                 verdict, caught = "does not compile (fix the mutation)", False
             else:
-                passed, detail = cpp_stage()
+                passed, detail = cpp_stage(args.all_failures)
                 if passed and mutation.python:
                     passed, detail = python_stage()
                 caught = not passed
