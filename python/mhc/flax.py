@@ -17,9 +17,18 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
       config: ``mhc.jax.Config`` (n, mix, Sinkhorn settings).
       dim: D, the features per stream.
       use_kernel: True runs the fused C++ kernels (custom VJP); False the plain-JAX reference.
-      mesh, token_axes, tensor_axis: optional; with a mesh, the kernels run under
-        ``jax.shard_map`` (``mhc.jax.sharded_pre``): the first axis of x split over the mesh axes
-        ``token_axes`` and, with ``tensor_axis``, D split over that mesh axis.
+      mesh, token_axes, tensor_axis: optional, and not needed to shard: under ``nnx.jit`` with
+        sharded inputs the kernels' partitioning rules keep them sharded (README, "Many
+        devices"). With a mesh, x and the outputs are also pinned to a layout
+        (``mhc.jax.sharded_pre``): the first axis of x split over the mesh axes ``token_axes``
+        and, with ``tensor_axis``, D split over that mesh axis.
+      feature_axis: optional; a logical (or mesh) axis name for D in the parameters' sharding
+        annotation (``out_sharding``, resolved through logical axis rules where set). The layer
+        then holds norm_weight as [n, D] and phi as [n, D, N], with D on that axis, so that the
+        device holding a slice of x's features holds the matching rows: with x's D on the same
+        mesh axis nothing moves, and the gradients come back sharded the same way. Create the
+        layer under a mesh (``jax.set_mesh``), as Flax requires for annotated variables. Without
+        it the parameters are flat ([n*D], [n*D, N]) and unannotated: replicate them.
       rngs: ``nnx.Rngs`` for the initial phi.
     """
 
@@ -32,6 +41,7 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         mesh=None,
         token_axes=None,
         tensor_axis=None,
+        feature_axis: str | None = None,
         rngs: nnx.Rngs,
     ):
         if mesh is None and (token_axes is not None or tensor_axis is not None):
@@ -45,15 +55,22 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         self.mesh = mesh
         self.token_axes = token_axes
         self.tensor_axis = tensor_axis
-        self.norm_weight = nnx.Param(initial.norm_weight)
-        self.phi = nnx.Param(initial.phi)
+        if feature_axis is None:
+            self.norm_weight = nnx.Param(initial.norm_weight)
+            self.phi = nnx.Param(initial.phi)
+        else:
+            n, width = config.n, config.projection_width
+            self.norm_weight = nnx.Param(initial.norm_weight.reshape(n, dim), out_sharding=(None, feature_axis))
+            self.phi = nnx.Param(initial.phi.reshape(n, dim, width), out_sharding=(None, feature_axis, None))
         self.alpha = nnx.Param(initial.alpha)
         self.bias = nnx.Param(initial.bias)
         # Diagnostics hook: when set (outside jit), called with each call's H_res [..., n, n].
         self.on_mix = None
 
     def params(self) -> mhc_jax.Params:
-        return mhc_jax.Params(self.norm_weight[...], self.phi[...], self.alpha[...], self.bias[...])
+        norm_weight, phi = self.norm_weight[...], self.phi[...]
+        width = self.config.projection_width
+        return mhc_jax.Params(norm_weight.reshape(-1), phi.reshape(-1, width), self.alpha[...], self.bias[...])
 
     def __call__(self, norm_fn: Callable, branch_fn: Callable, x: jax.Array) -> jax.Array:
         axes = dict(mesh=self.mesh, token_axes=self.token_axes, tensor_axis=self.tensor_axis)

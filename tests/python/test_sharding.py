@@ -1,14 +1,68 @@
 """Runs sharding_cases.py on 8 forced CPU devices in a subprocess (the device count is fixed
-when JAX starts, so it cannot be changed inside this pytest process)."""
+when JAX starts, so it cannot be changed inside this pytest process), once per partitioner; and
+checks that every registered custom call has a partitioning rule."""
 
 import os
+import socket
 import subprocess
 import sys
 
+import jax
+import pytest
 
-def test_sharded_kernels_match_one_device(seed):
+from mhc import _ffi
+from mhc.jax import _kernels
+
+# Shardy is JAX's default partitioner; GSPMD is tested while this jax still has the switch.
+PARTITIONERS = ["shardy", "gspmd"] if hasattr(jax.config, "jax_use_shardy_partitioner") else ["shardy"]
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_sharded_kernels_match_one_device(seed, partitioner):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     script = os.path.join(os.path.dirname(__file__), "sharding_cases.py")
-    result = subprocess.run([sys.executable, script, str(seed)], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"seed {seed}\n{result.stdout}\n{result.stderr[-4000:]}"
-    assert result.stdout.count("ok:") == 13, result.stdout
+    args = [sys.executable, script, str(seed), partitioner]
+    result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"seed {seed} {partitioner}\n{result.stdout}\n{result.stderr[-4000:]}"
+    assert result.stdout.count("ok:") == 35, result.stdout
+
+
+def test_every_custom_call_has_a_partitioning_rule():
+    """A new FFI target must be called from a partitioned operation (mhc.jax._kernels.OPERATIONS),
+    or plain jit on sharded arrays would gather its operands and run it replicated."""
+    registered = set(_ffi.TARGET_NAMES) | set(_ffi.CUDA_TARGETS)
+    missing = registered - _kernels.PARTITIONED_TARGETS
+    assert not missing, f"FFI targets without a partitioning rule: {sorted(missing)}"
+    stale = _kernels.PARTITIONED_TARGETS - registered
+    assert not stale, f"partitioning rules name unregistered targets: {sorted(stale)}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_match_one_device(seed, tmp_path):
+    """2 processes on 127.0.0.1 with 4 CPU devices each, one global mesh of 8 (multiprocess_cases.py)."""
+    script = os.path.join(os.path.dirname(__file__), "multiprocess_cases.py")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    logs = [tmp_path / f"process{index}.log" for index in range(2)]  # files: a full pipe would block
+    processes = []
+    try:
+        for index, log in enumerate(logs):
+            with open(log, "w") as out:
+                args = [sys.executable, script, str(port), str(index), str(seed)]
+                processes.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT))
+        for process in processes:
+            process.wait(timeout=600)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for index, (process, log) in enumerate(zip(processes, logs, strict=True)):
+        output = log.read_text()
+        assert process.returncode == 0, f"seed {seed}: process {index}\n{output[-4000:]}"
+        assert output.count("ok:") == 2, output[-4000:]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
 from mhc.jax._types import Config, Context, Params, check_post_args, check_pre_args, init_params
@@ -33,23 +33,12 @@ __all__ = [
 
 
 def _pre_kernel(x, params: Params, config: Config):
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    layer_in, x_ctx, h_post, h_res = _kernels.pre(config, x.reshape(-1, n, d), params)
-    return layer_in.reshape(*lead, d), Context(
-        x_ctx.reshape(x.shape), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n), config, True
-    )
+    layer_in, x_ctx, h_post, h_res = _kernels.pre(config, x, params)
+    return layer_in, Context(x_ctx, h_post, h_res, config, True)
 
 
 def _post_kernel(layer_out, ctx: Context):
-    n, d = ctx.x.shape[-2:]
-    out = _kernels.post(
-        ctx.config,
-        ctx.x.reshape(-1, n, d),
-        layer_out.reshape(-1, d),
-        ctx.h_post.reshape(-1, n),
-        ctx.h_res.reshape(-1, n, n),
-    )
-    return out.reshape(ctx.x.shape)
+    return _kernels.post(ctx.config, ctx.x, layer_out, ctx.h_post, ctx.h_res)
 
 
 def pre(x: jax.Array, params: Params, config: Config, *, use_kernel: bool = True):
@@ -122,79 +111,51 @@ class _Layout:
             self.x = PartitionSpec(None, tensor_axis)
             self.layer_in = PartitionSpec(tensor_axis)
             self.coefficients = PartitionSpec()
-        # norm_weight as [n, D] and phi as [n, D, N]: rows of the local D slice of each stream.
-        self.params = Params(
-            PartitionSpec(None, tensor_axis), PartitionSpec(None, tensor_axis, None), PartitionSpec(), PartitionSpec()
-        )
+
+
+def _constrain(mesh, value, spec):
+    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
 
 
 def sharded_pre(x, params: Params, config: Config, *, mesh, token_axes=None, tensor_axis=None):
-    """``pre`` on the kernels under ``jax.shard_map``: x's first axis split over the mesh axes
-    ``token_axes`` and, with ``tensor_axis``, its last axis (D) split over that mesh axis.
+    """``pre`` with x, layer_in and the context constrained to a layout: x's first axis split over
+    the mesh axes ``token_axes`` and, with ``tensor_axis``, its last axis (D) over that mesh axis.
 
-    Data parallelism (token_axes): parameters are replicated and each device runs the fused
-    kernels on its tokens; shard_map's transpose sums the parameter gradients over the mesh.
+    A convenience only: ``pre`` itself carries the partitioning rules, so plain ``jax.jit`` on
+    arrays already sharded this way does the same (README, "Many devices"). This checks the axes
+    and pins the shardings with ``jax.lax.with_sharding_constraint``; call it under ``jax.jit``
+    (outside jit the calls run, correctly, on whole arrays).
+
+    Data parallelism (token_axes): each device runs the fused kernels on its tokens; the parameter
+    gradients are summed over the token axes by one all-reduce.
 
     Tensor parallelism (tensor_axis): each device holds D / size features of every stream and
-    the matching rows of norm_weight and phi (shard them as ``norm_weight.reshape(n, D)`` and
-    ``phi.reshape(n, D, N)`` on axis 1 to avoid any resharding). The RMS and the projection sum
-    over all of n*D, so each device computes its partial sums, and one all-reduce of a
-    [tokens, N+1] f32 array per call (and one of [tokens, 2n + n*n] in the backward) completes
-    them; x itself never moves. Gradients equal one device's (tests/python/sharding_cases.py).
+    uses the matching rows of norm_weight and phi (rows k*D + d of each stream k): replicated
+    parameters are sliced on each device without communication. The RMS and the projection sum
+    over all of n*D: each device computes its partial sums, and one all-reduce of a [tokens, N+1]
+    f32 array per call completes them (in the backward, [tokens, n] for dh_pre and
+    [tokens, n + n*n] for dh_post and dh_res, which XLA combines); x itself never moves.
 
     Use ``sharded_post`` with the returned context and the same mesh and axes.
     """
     check_pre_args(x, params, config)
-    n, d = x.shape[-2:]
-    layout = _Layout(mesh, token_axes, tensor_axis, x.ndim, d)
-    slices, axis = layout.slices, layout.tensor_axis
-
-    def local(x_local, params_local):
-        lead, dl = x_local.shape[:-2], x_local.shape[-1]
-        flat = Params(
-            params_local.norm_weight.reshape(n * dl),
-            params_local.phi.reshape(n * dl, -1),
-            params_local.alpha,
-            params_local.bias,
-        )
-        if slices == 1:  # the fused kernels: one pass over x
-            layer_in, ctx = _pre_kernel(x_local, flat, config)
-            return layer_in, ctx.x, ctx.h_post, ctx.h_res
-        layer_in, x_ctx, h_post, h_res = _kernels.pre_sliced(config, axis, slices, x_local.reshape(-1, n, dl), flat)
-        return (
-            layer_in.reshape(*lead, dl),
-            x_ctx.reshape(x_local.shape),
-            h_post.reshape(*lead, n),
-            h_res.reshape(*lead, n, n),
-        )
-
-    width = config.projection_width
-    shaped = Params(params.norm_weight.reshape(n, d), params.phi.reshape(n, d, width), params.alpha, params.bias)
-    layer_in, x_ctx, h_post, h_res = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(layout.x, layout.params),
-        out_specs=(layout.layer_in, layout.x, layout.coefficients, layout.coefficients),
-        check_vma=False,
-    )(x, shaped)
-    return layer_in, Context(x_ctx, h_post, h_res, config, True)
+    layout = _Layout(mesh, token_axes, tensor_axis, x.ndim, x.shape[-1])
+    layer_in, ctx = _pre_kernel(_constrain(mesh, x, layout.x), params, config)
+    return _constrain(mesh, layer_in, layout.layer_in), Context(
+        _constrain(mesh, ctx.x, layout.x),
+        _constrain(mesh, ctx.h_post, layout.coefficients),
+        _constrain(mesh, ctx.h_res, layout.coefficients),
+        config,
+        True,
+    )
 
 
 def sharded_post(layer_out, ctx: Context, *, mesh, token_axes=None, tensor_axis=None):
-    """``post`` on the kernels, sharded like ``sharded_pre`` (same mesh, token_axes and
+    """``post`` with its output constrained like ``sharded_pre`` (same mesh, token_axes and
     tensor_axis). Purely local: each device mixes its own slice of the streams."""
     check_post_args(layer_out, ctx)
     if not ctx.use_kernel:
         raise ValueError("ctx: sharded_post needs the context of sharded_pre (use_kernel=True)")
     layout = _Layout(mesh, token_axes, tensor_axis, ctx.x.ndim, ctx.x.shape[-1])
-
-    def local(layer_out_local, x_local, h_post_local, h_res_local):
-        return _post_kernel(layer_out_local, Context(x_local, h_post_local, h_res_local, ctx.config, True))
-
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(layout.layer_in, layout.x, layout.coefficients, layout.coefficients),
-        out_specs=layout.x,
-        check_vma=False,
-    )(layer_out, ctx.x, ctx.h_post, ctx.h_res)
+    out = _post_kernel(_constrain(mesh, layer_out, layout.layer_in), ctx)
+    return _constrain(mesh, out, layout.x)

@@ -1,6 +1,8 @@
 """The C++ operations as JAX primitives: ffi_call wrappers and the custom VJPs around them.
 
-Shapes here are flat: x [T, n, D]. The public functions in mhc.jax reshape leading dims.
+The ffi_call wrappers take flat shapes, x [T, n, D]. The custom VJPs take x with any leading
+(token) dims and run the calls through partitioned operations (_partitioning), so that under jit
+on a mesh each device runs them on its own shards.
 
 pre's custom VJP returns x itself as an extra output (the context's copy). post's backward sends
 its dx_partial back along that output, so pre's backward receives it as a cotangent and the C++
@@ -10,12 +12,14 @@ pre_backward adds it while it writes dx: no separate pass to sum the two paths o
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from mhc import _ffi  # noqa: F401  (registers the FFI targets)
+from mhc.jax._partitioning import Operation, apply
 from mhc.jax._types import Config, Params
 
 _F32 = jnp.float32
@@ -90,22 +94,164 @@ def pre_backward_finish(
     return _call("mhc_pre_backward_finish", config, types, *args, slices=slices)
 
 
+# The operations as partitioned functions (see _partitioning): each takes x with any leading
+# (token) dims [..., n, D] and the parameters in the layout of the tensor-parallel split,
+# norm_weight [n, D] and phi [n, D, N], so that a device holding D/P features of every stream
+# holds the matching rows. Per device: the fused kernels when D is whole; with D split over P
+# devices, the partial sums, one all-reduce, and the finish (spec: Tensor parallelism). The
+# parameter gradients, sums over tokens, are all-reduced once over the token axes.
+
+
+def _psum_together(arrays, axes):
+    """psum of several arrays in one all-reduce (one flat buffer)."""
+    if not axes:
+        return tuple(arrays)
+    flat = jax.lax.psum(jnp.concatenate([a.reshape(-1) for a in arrays]), axes)
+    sizes = np.cumsum([a.size for a in arrays])[:-1]
+    return tuple(part.reshape(a.shape) for part, a in zip(jnp.split(flat, sizes), arrays, strict=True))
+
+
+def _local_params(config: Config, norm_weight, phi, alpha, bias) -> Params:
+    """[n, Dl] and [n, Dl, N] shards as the kernels' rows k*Dl + j."""
+    return Params(norm_weight.reshape(-1), phi.reshape(-1, config.projection_width), alpha, bias)
+
+
+def _pre_forward_local(config: Config, plan, x, norm_weight, phi, alpha, bias):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t, width = math.prod(lead), config.projection_width
+    xf, params = x.reshape(t, n, d), _local_params(config, norm_weight, phi, alpha, bias)
+    if plan.slices == 1:
+        layer_in, _, h_post, h_res = pre_forward(config, xf, params)
+        partials = jnp.zeros((t, width + 1), _F32)  # only the split backward reads them
+    else:
+        partials = pre_forward_partials(config, plan.slices, xf, params.norm_weight, params.phi)
+        partials = jax.lax.psum(partials, plan.feature_axes)
+        layer_in, _, h_post, h_res = pre_forward_finish(config, plan.slices, xf, partials, alpha, bias)
+    return (
+        layer_in.reshape(*lead, d),
+        h_post.reshape(*lead, n),
+        h_res.reshape(*lead, n, n),
+        partials.reshape(*lead, width + 1),
+    )
+
+
+def _pre_backward_local(config: Config, plan, dlayer_in, dx_partial, dh_post, dh_res, x, partials, *shaped):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t, width = math.prod(lead), config.projection_width
+    valid = plan.valid_tokens(lead)
+    if valid is not None:  # rows XLA padded hold anything: keep them out of the parameter sums
+        dlayer_in, dh_post, partials = (jnp.where(valid[..., None], a, 0) for a in (dlayer_in, dh_post, partials))
+        x, dx_partial, dh_res = (jnp.where(valid[..., None, None], a, 0) for a in (x, dx_partial, dh_res))
+    params = _local_params(config, *shaped)
+    dli, dxp, dhp, dhr, xf = (
+        dlayer_in.reshape(t, d),
+        dx_partial.reshape(t, n, d),
+        dh_post.reshape(t, n),
+        dh_res.reshape(t, n, n),
+        x.reshape(t, n, d),
+    )
+    if plan.slices == 1:
+        dx, *grads = pre_backward(config, dli, dxp, dhp, dhr, xf, params)
+    else:
+        dh_pre = jax.lax.psum(pre_backward_partials(config, plan.slices, dli, xf), plan.feature_axes)
+        pf = partials.reshape(t, width + 1)
+        dx, *grads = pre_backward_finish(config, plan.slices, dli, dxp, dh_pre, dhp, dhr, xf, pf, params)
+    dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
+    return dx.reshape(x.shape), dnorm_weight.reshape(n, d), dphi.reshape(n, d, width), dalpha, dbias
+
+
+def _post_forward_local(config: Config, plan, x, layer_out, h_post, h_res):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t = math.prod(lead)
+    out = post_forward(
+        config, x.reshape(t, n, d), layer_out.reshape(t, d), h_post.reshape(t, n), h_res.reshape(t, n, n)
+    )
+    return (out.reshape(x.shape),)
+
+
+def _post_backward_local(config: Config, plan, g, x, layer_out, h_post, h_res):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t = math.prod(lead)
+    flat = (
+        g.reshape(t, n, d),
+        x.reshape(t, n, d),
+        layer_out.reshape(t, d),
+        h_post.reshape(t, n),
+        h_res.reshape(t, n, n),
+    )
+    dx_partial, dlayer_out, dh_post, dh_res = post_backward(config, *flat)
+    # dh_post and dh_res sum over D: with D split, one all-reduce completes them.
+    dh_post, dh_res = _psum_together((dh_post, dh_res), plan.feature_axes)
+    return (
+        dx_partial.reshape(x.shape),
+        dlayer_out.reshape(layer_out.shape),
+        dh_post.reshape(h_post.shape),
+        dh_res.reshape(h_res.shape),
+    )
+
+
+_PARAMS = ("nd", "ndk", "a", "k")
+PRE_FORWARD = Operation(
+    "pre_forward",
+    targets=("mhc_pre_forward", "mhc_pre_forward_partials", "mhc_pre_forward_finish"),
+    operands=("Bnd", *_PARAMS),
+    results=("Bd", "Bn", "Bnm", "Bp"),
+    local=_pre_forward_local,
+)
+PRE_BACKWARD = Operation(
+    "pre_backward",
+    targets=("mhc_pre_backward", "mhc_pre_backward_partials", "mhc_pre_backward_finish"),
+    operands=("Bd", "Bnd", "Bn", "Bnm", "Bnd", "Bp", *_PARAMS),
+    results=("Bnd", *_PARAMS),
+    local=_pre_backward_local,
+    primary=4,  # x: a cotangent's sharding may not be known (a replicated constant upstream)
+)
+POST_FORWARD = Operation(
+    "post_forward",
+    targets=("mhc_post_forward",),
+    operands=("Bnd", "Bd", "Bn", "Bnm"),
+    results=("Bnd",),
+    local=_post_forward_local,
+)
+POST_BACKWARD = Operation(
+    "post_backward",
+    targets=("mhc_post_backward",),
+    operands=("Bnd", "Bnd", "Bd", "Bn", "Bnm"),
+    results=("Bnd", "Bd", "Bn", "Bnm"),
+    local=_post_backward_local,
+    primary=1,  # x
+)
+OPERATIONS = (PRE_FORWARD, PRE_BACKWARD, POST_FORWARD, POST_BACKWARD)
+PARTITIONED_TARGETS = frozenset(target for operation in OPERATIONS for target in operation.targets)
+"""Every FFI target the JAX package calls; tests check it covers every registered target."""
+
+
+def _shaped(config: Config, d: int, params: Params) -> tuple:
+    n, width = config.n, config.projection_width
+    return params.norm_weight.reshape(n, d), params.phi.reshape(n, d, width), params.alpha, params.bias
+
+
+def _lead(x) -> int:
+    return x.ndim - 2
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def pre(config: Config, x, params: Params):
-    """-> layer_in [T, D], x (for the context), h_post [T, n], h_res [T, n, n]."""
-    layer_in, _, h_post, h_res = pre_forward(config, x, params)
-    return layer_in, x, h_post, h_res
+    """x [..., n, D] -> layer_in [..., D], x (for the context), h_post [..., n], h_res [..., n, n]."""
+    return _pre_fwd(config, x, params)[0]
 
 
 def _pre_fwd(config, x, params):
-    return pre(config, x, params), (x, params)
+    shaped = _shaped(config, x.shape[-1], params)
+    layer_in, h_post, h_res, partials = apply(PRE_FORWARD, config, _lead(x), x, *shaped)
+    return (layer_in, x, h_post, h_res), (x, partials, params)
 
 
 def _pre_bwd(config, residuals, cotangents):
-    x, params = residuals
-    dlayer_in, dx_partial, dh_post, dh_res = cotangents
-    dx, *grads = pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params)
-    return dx, Params(*grads)
+    x, partials, params = residuals
+    shaped = _shaped(config, x.shape[-1], params)
+    dx, dnorm_weight, dphi, dalpha, dbias = apply(PRE_BACKWARD, config, _lead(x), *cotangents, x, partials, *shaped)
+    return dx, Params(dnorm_weight.reshape(-1), dphi.reshape(params.phi.shape), dalpha, dbias)
 
 
 pre.defvjp(_pre_fwd, _pre_bwd)
@@ -113,8 +259,8 @@ pre.defvjp(_pre_fwd, _pre_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def post(config: Config, x, layer_out, h_post, h_res):
-    """-> out [T, n, D]."""
-    return post_forward(config, x, layer_out, h_post, h_res)
+    """-> out [..., n, D]."""
+    return apply(POST_FORWARD, config, _lead(x), x, layer_out, h_post, h_res)[0]
 
 
 def _post_fwd(config, x, layer_out, h_post, h_res):
@@ -122,47 +268,7 @@ def _post_fwd(config, x, layer_out, h_post, h_res):
 
 
 def _post_bwd(config, residuals, g):
-    x, layer_out, h_post, h_res = residuals
-    return tuple(post_backward(config, g, x, layer_out, h_post, h_res))
+    return tuple(apply(POST_BACKWARD, config, _lead(residuals[0]), g, *residuals))
 
 
 post.defvjp(_post_fwd, _post_bwd)
-
-
-# Tensor parallelism, inside jax.shard_map over `axis` (`slices` devices, each with D / slices
-# features of every stream and the matching rows of norm_weight and phi).
-#
-# shard_map (check_vma=False) keeps the cotangent of a value that is replicated over `axis` as
-# per-device shares that sum to it: it divides a replicated output's cotangent by the axis size
-# and sums (psum) the cotangents of replicated inputs. So the backward sums the shares of dh_post
-# and dh_res with this slice's part of dh_pre in one all-reduce, and returns shares of the alpha
-# and bias gradients, which every slice computes in full.
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def pre_sliced(config: Config, axis, slices: int, x, params: Params):
-    """-> layer_in [T, D/slices], x, h_post [T, n], h_res [T, n, n]: one all-reduce of [T, N+1]."""
-    return _pre_sliced_fwd(config, axis, slices, x, params)[0]
-
-
-def _pre_sliced_fwd(config, axis, slices, x, params):
-    partials = pre_forward_partials(config, slices, x, params.norm_weight, params.phi)
-    partials = jax.lax.psum(partials, axis)
-    layer_in, _, h_post, h_res = pre_forward_finish(config, slices, x, partials, params.alpha, params.bias)
-    return (layer_in, x, h_post, h_res), (x, params, partials)
-
-
-def _pre_sliced_bwd(config, axis, slices, residuals, cotangents):
-    x, params, partials = residuals
-    dlayer_in, dx_partial, dh_post, dh_res = cotangents
-    t, n, _ = x.shape
-    dh_pre = pre_backward_partials(config, slices, dlayer_in, x)
-    summed = jax.lax.psum(jnp.concatenate([dh_pre, dh_post, dh_res.reshape(t, n * n)], axis=1), axis)
-    dh_pre, dh_post, dh_res = summed[:, :n], summed[:, n : 2 * n], summed[:, 2 * n :].reshape(t, n, n)
-    dx, dnorm_weight, dphi, dalpha, dbias = pre_backward_finish(
-        config, slices, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, params
-    )
-    return dx, Params(dnorm_weight, dphi, dalpha / slices, dbias / slices)
-
-
-pre_sliced.defvjp(_pre_sliced_fwd, _pre_sliced_bwd)
