@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import mhc.jax as mj
+import numpy_reference
 
 
 @pytest.fixture
@@ -54,3 +55,21 @@ def relative_error(got, want) -> float:
     if not np.isfinite(diff) or not np.isfinite(np.linalg.norm(got)):
         return float("nan")
     return float(diff / norm) if norm > 0 else float(np.linalg.norm(got))
+
+
+def sublayer_values(x, layer_out, params, config: mj.Config, cotangents, use_kernel: bool = True) -> dict:
+    """pre -> post under jit on the kernel (or plain) path: layer_in, out and the VJP at
+    cotangents = (dlayer_in, dout) with respect to x, layer_out and every parameter, as one dict
+    named like numpy_reference.values."""
+
+    @jax.jit
+    def run(x, layer_out, params, cotangents):
+        def f(x, layer_out, params):
+            layer_in, ctx = mj.pre(x, params, config, use_kernel=use_kernel)
+            return layer_in, mj.post(layer_out, ctx)
+
+        outputs, vjp = jax.vjp(f, x, layer_out, params)
+        return outputs, vjp(cotangents)
+
+    (layer_in, out), (dx, dlayer_out, dparams) = run(x, layer_out, params, cotangents)
+    return dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))

@@ -9,6 +9,9 @@ import itertools
 
 import numpy as np
 
+# The tensors of one sublayer's forward and VJP, in the order values() returns them.
+NAMES = ("layer_in", "out", "dx", "dlayer_out", "dnorm_weight", "dphi", "dalpha", "dbias")
+
 
 def _sigmoid(v):
     return 1.0 / (1.0 + np.exp(-v))
@@ -138,3 +141,11 @@ def backward(x, layer_out, params, config, dlayer_in, dout):
         else (dnorm_weight, dphi, dalpha, dbias)
     )
     return dxf.reshape(np.shape(x)), dlayer_out.reshape(np.shape(layer_out)), dparams
+
+
+def values(x, layer_out, params, config, dlayer_in, dout):
+    """forward and backward as one dict by NAMES: layer_in, out, then the VJP at (dlayer_in, dout)
+    with respect to x, layer_out and the parameters."""
+    layer_in, out = forward(x, layer_out, params, config)
+    dx, dlo, dparams = backward(x, layer_out, params, config, dlayer_in, dout)
+    return dict(zip(NAMES, (layer_in, out, dx, dlo, *dparams), strict=True))

@@ -11,7 +11,7 @@ import pytest
 
 import mhc.jax as mj
 import numpy_reference
-from conftest import random_params, relative_error
+from conftest import random_params, relative_error, sublayer_values
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # Every config scalar away from its default (and from the others), so that an FFI layer that drops
@@ -48,28 +48,11 @@ def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
     w_in = jax.random.normal(kin, (*lead, d), jnp.float32).astype(dtype)
     w_out = jax.random.normal(kout, (*lead, n, d), jnp.float32).astype(dtype)
 
-    @jax.jit
-    def kernel_path(x, layer_out, params, cotangents):
-        def f(x, layer_out, params):
-            layer_in, ctx = mj.pre(x, params, config)
-            return layer_in, mj.post(layer_out, ctx)
-
-        outputs, vjp = jax.vjp(f, x, layer_out, params)
-        return outputs, vjp(cotangents)
-
-    (layer_in, out), (dx, dlayer_out, dparams) = kernel_path(x, layer_out, params, (w_in, w_out))
-    want_in, want_out = numpy_reference.forward(x, layer_out, params, config)
-    want_dx, want_dlo, want_dparams = numpy_reference.backward(x, layer_out, params, config, w_in, w_out)
-    named = {
-        "layer_in": (layer_in, want_in),
-        "out": (out, want_out),
-        "dx": (dx, want_dx),
-        "dlayer_out": (dlayer_out, want_dlo),
-    }
-    for field, got, want in zip(mj.Params._fields, dparams, want_dparams, strict=True):
-        named["d" + field] = (got, want)
-    assert dx.dtype == x.dtype and dlayer_out.dtype == layer_out.dtype
-    for name, (got, want) in named.items():
+    got_values = sublayer_values(x, layer_out, params, config, (w_in, w_out))
+    want_values = numpy_reference.values(x, layer_out, params, config, w_in, w_out)
+    assert got_values["dx"].dtype == x.dtype and got_values["dlayer_out"].dtype == layer_out.dtype
+    for name, got in got_values.items():
+        want = want_values[name]
         tol = TOLERANCE[jnp.bfloat16 if got.dtype == jnp.bfloat16 else jnp.float32]
         error = relative_error(got, want)
         floor = 5e-6 * np.sqrt(want.size) / max(np.linalg.norm(want), 1e-30) if name == "dalpha" else 0.0

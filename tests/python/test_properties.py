@@ -7,7 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
@@ -15,7 +14,7 @@ from hypothesis import strategies as st
 
 import mhc.jax as mj
 import numpy_reference
-from conftest import random_numpy_params
+from conftest import random_numpy_params, sublayer_values
 
 # The spec's bounds against the float64 oracle: f32 tensors (every parameter gradient, whatever the
 # activation dtype) 1e-5, bf16 tensors 1e-2. An absolute floor only where the tensor can be a
@@ -60,28 +59,11 @@ def test_kernel_path_matches_float64_reference(
     if x.size > n * d:
         x.reshape(-1, n, d)[-1] = 0  # an all-zero token: r = 1/sqrt(rms_eps), finite outputs
 
-    @jax.jit
-    def forward_and_backward(x, layer_out, params, cotangents):
-        def f(x, layer_out, params):
-            layer_in, ctx = mj.pre(x, params, config)
-            return layer_in, mj.post(layer_out, ctx)
-
-        outputs, vjp = jax.vjp(f, x, layer_out, params)
-        return outputs, vjp(cotangents)
-
-    (layer_in, out), (dx, dlayer_out, dparams) = forward_and_backward(x, layer_out, params, (w_in, w_out))
-    want_in, want_out = numpy_reference.forward(x, layer_out, params, config)
-    want_dx, want_dlo, want_dparams = numpy_reference.backward(x, layer_out, params, config, w_in, w_out)
-    named = {
-        "layer_in": (layer_in, want_in),
-        "out": (out, want_out),
-        "dx": (dx, want_dx),
-        "dlayer_out": (dlayer_out, want_dlo),
-    }
-    for field, got, want in zip(mj.Params._fields, dparams, want_dparams, strict=True):
-        named["d" + field] = (got, want)
+    got_values = sublayer_values(x, layer_out, params, config, (w_in, w_out))
+    want_values = numpy_reference.values(x, layer_out, params, config, w_in, w_out)
     tiny = int(np.prod(lead)) * d <= 8
-    for name, (got, want) in named.items():
+    for name, got in got_values.items():
+        want = want_values[name]
         tolerance = TOLERANCE[jnp.bfloat16 if got.dtype == jnp.bfloat16 else jnp.float32]
         got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
         assert np.isfinite(got).all(), f"{name}: non-finite value from finite inputs"
