@@ -68,7 +68,10 @@ struct Case {
   mhc::DType dtype;
   int64_t dim;
   mhc::Mix mix;
-  bool operator==(const Case& o) const { return dtype == o.dtype && dim == o.dim && mix == o.mix; }
+  int64_t tokens = kTokens;
+  bool operator==(const Case& o) const {
+    return dtype == o.dtype && dim == o.dim && mix == o.mix && tokens == o.tokens;
+  }
 };
 
 // "Normal-ish" values: the sum of four uniforms on [-0.5, 0.5), scaled to unit variance. Much
@@ -126,7 +129,7 @@ struct Workspace {
 
   explicit Workspace(const Case& c)
       : key(c),
-        T(kTokens),
+        T(c.tokens),
         n(kStreams),
         D(c.dim),
         M(kStreams * c.dim),
@@ -247,8 +250,12 @@ void BM_op(benchmark::State& state, Op op, Case c) {
   for (auto _ : state) ws.run(op);
   const double elapsed = seconds_since(start);
 
-  const double bytes =
-      static_cast<double>(traffic_units(op, ws.n) * ws.D * ws.T * mhc::size_of(c.dtype));
+  double bytes = static_cast<double>(traffic_units(op, ws.n) * ws.D * ws.T * mhc::size_of(c.dtype));
+  // At decode sizes the parameters dominate: phi is read by the pre operations, and dphi written
+  // by pre_backward, once per call whatever T.
+  const double phi_bytes = static_cast<double>(ws.M * ws.N * 4);
+  if (op == Op::pre_forward) bytes += phi_bytes;
+  if (op == Op::pre_backward) bytes += 2.0 * phi_bytes;
   set_traffic(state, bytes);
   if (g_copy_gbps > 0.0 && elapsed > 0.0) {
     const double gbps = bytes * static_cast<double>(state.iterations()) / elapsed / 1e9;
@@ -311,6 +318,26 @@ void register_all() {
     }
   }
   cases.push_back({mhc::DType::f32, 1024, mhc::Mix::permutations});
+
+  // Decode: few tokens, where the per-call costs (reading phi, waking threads) dominate.
+  std::vector<Case> decode;
+  for (int64_t dim : {int64_t{4096}, int64_t{7168}}) {
+    for (mhc::DType dtype : {mhc::DType::f32, mhc::DType::bf16}) {
+      for (int64_t tokens : {int64_t{1}, int64_t{8}, int64_t{64}}) {
+        decode.push_back({dtype, dim, mhc::Mix::sinkhorn, tokens});
+      }
+    }
+  }
+  for (const Case& c : decode) {
+    for (Op op : ops) {
+      const std::string name = std::string("decode/") + op_name(op) + "/" +
+                               mhc::to_string(c.dtype) + "/D:" + std::to_string(c.dim) +
+                               "/T:" + std::to_string(c.tokens);
+      benchmark::RegisterBenchmark(name.c_str(), BM_op, op, c)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+  }
 
   // Grouped by case so that each case's buffers are built once.
   for (const Case& c : cases) {

@@ -1,8 +1,15 @@
 // post_forward and post_backward on the CPU (spec: Forward step 8, Backward "Post"): pure
 // streaming. Each token is swept once, eight features at a time: its n streams (and g, and
-// layer_out) are loaded, widened to double in registers, mixed, and the results rounded and
-// stored in the same step, so nothing is staged in memory. Per-token dots (dh_post, dh_res)
-// accumulate in double lanes and are summed in a fixed order.
+// layer_out) are loaded into registers, mixed, and the results stored in the same step, so
+// nothing is staged in memory.
+//
+// Precision: the mixes are sums of at most n + 1 <= 17 products, in f32 FMA (a few ulps, inside
+// the spec's bounds). The per-token dots over D (dh_post, dh_res) sum signed terms that can
+// cancel, so their products and sums are in double lanes, summed in a fixed order: f32 partial
+// sums over 64 features failed the 1e-5 bound on a single cancelling dh_post (n = 1, D = 130). The
+// stream loops are compiled for each n from 1 to 16, so a token's streams stay in registers.
+#include <type_traits>
+
 #include "kernels.h"
 #include "simd.h"
 #include "thread_pool.h"
@@ -17,54 +24,45 @@ using simd::Wide4;
 
 inline float scalar(float v) { return v; }
 inline float scalar(bf16 v) { return to_float(v); }
-inline void put(float* p, double v) { *p = static_cast<float>(v); }
-inline void put(bf16* p, double v) { *p = to_bf16(static_cast<float>(v)); }
+inline void put(float* p, float v) { *p = v; }
+inline void put(bf16* p, float v) { *p = to_bf16(v); }
 
-// Eight features of one stream, widened to double.
-struct Block {
+// Eight features widened to double, as two halves.
+struct Wide8 {
   Wide4 low, high;
 };
 
-template <class T>
-MHC_INLINE Block load_block(const T* p) {
-  Lanes8 v;
-  simd::load_any(&v, p);
-  Block b;
-  simd::widen8(&v, &b.low, &b.high);
-  return b;
+MHC_INLINE Wide8 widen(const Lanes8& v) {
+  Wide8 w;
+  simd::widen8(&v, &w.low, &w.high);
+  return w;
 }
 
-template <class T>
-MHC_INLINE void store_block(T* p, const Block& b) {
-  Lanes8 v;
-  simd::narrow8(&b.low, &b.high, &v);
-  simd::store_any(p, &v);
+// acc += a * b, lane by lane, in double.
+MHC_INLINE void add_product(Wide8* acc, const Wide8& a, const Wide8& b) {
+  acc->low += a.low * b.low;
+  acc->high += a.high * b.high;
 }
 
 // out[j] = h_post[j] layer_out + sum_i h_res[i][j] x[i] for one token.
-template <class X, class L>
+template <int kN, class X, class L>
 MHC_INLINE void post_forward_token(const X* x, const L* lo, const float* hp, const float* hr,
-                                   int64_t n, int64_t D, X* out) {
-  Block rows[kMaxStreams];
+                                   int64_t D, X* out) {
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    for (int64_t i = 0; i < n; ++i) rows[i] = load_block(x + i * D + d);
-    const Block l = load_block(lo + d);
-    for (int64_t j = 0; j < n; ++j) {
-      const double w = hp[j];
-      Block acc{w * l.low, w * l.high};
-      for (int64_t i = 0; i < n; ++i) {
-        const double h = hr[i * n + j];
-        acc.low += h * rows[i].low;
-        acc.high += h * rows[i].high;
-      }
-      store_block(out + j * D + d, acc);
+    Lanes8 rows[kN], l;
+    for (int i = 0; i < kN; ++i) simd::load_any(&rows[i], x + i * D + d);
+    simd::load_any(&l, lo + d);
+    for (int j = 0; j < kN; ++j) {
+      Lanes8 acc = hp[j] * l;
+      for (int i = 0; i < kN; ++i) acc += hr[i * kN + j] * rows[i];
+      simd::store_any(out + j * D + d, &acc);
     }
   }
   for (; d < D; ++d) {
-    for (int64_t j = 0; j < n; ++j) {
-      double acc = double{hp[j]} * scalar(lo[d]);
-      for (int64_t i = 0; i < n; ++i) acc += double{hr[i * n + j]} * scalar(x[i * D + d]);
+    for (int j = 0; j < kN; ++j) {
+      float acc = hp[j] * scalar(lo[d]);
+      for (int i = 0; i < kN; ++i) acc += hr[i * kN + j] * scalar(x[i * D + d]);
       put(out + j * D + d, acc);
     }
   }
@@ -75,57 +73,45 @@ template <class X, class L>
 MHC_INLINE void post_backward_token(const X* g, const X* x, const L* lo, const float* hp,
                                     const float* hr, int64_t n, int64_t D, X* dxp, L* dlo,
                                     float* dh_post, float* dh_res) {
-  Block gs[kMaxStreams], xs[kMaxStreams];
-  Block post[kMaxStreams], res[kMaxStreams * kMaxStreams];
-  for (int64_t e = 0; e < n; ++e) post[e] = Block{};
-  for (int64_t e = 0; e < n * n; ++e) res[e] = Block{};
+  Wide8 post[kMaxStreams], res[kMaxStreams * kMaxStreams];
+  for (int64_t e = 0; e < n; ++e) post[e] = Wide8{};
+  for (int64_t e = 0; e < n * n; ++e) res[e] = Wide8{};
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
+    Lanes8 gs[kMaxStreams], l;
+    Wide8 gw[kMaxStreams];
     for (int64_t k = 0; k < n; ++k) {
-      gs[k] = load_block(g + k * D + d);
-      xs[k] = load_block(x + k * D + d);
+      simd::load_any(&gs[k], g + k * D + d);
+      gw[k] = widen(gs[k]);
     }
-    const Block l = load_block(lo + d);
-    Block dl{};
-    for (int64_t j = 0; j < n; ++j) {
-      const double w = hp[j];
-      dl.low += w * gs[j].low;
-      dl.high += w * gs[j].high;
-      post[j].low += l.low * gs[j].low;
-      post[j].high += l.high * gs[j].high;
-    }
-    store_block(dlo + d, dl);
+    simd::load_any(&l, lo + d);
+    Lanes8 dl{};
+    for (int64_t j = 0; j < n; ++j) dl += hp[j] * gs[j];
+    simd::store_any(dlo + d, &dl);
+    const Wide8 lw = widen(l);
+    for (int64_t j = 0; j < n; ++j) add_product(&post[j], lw, gw[j]);
     for (int64_t i = 0; i < n; ++i) {
-      Block dx{};
-      for (int64_t j = 0; j < n; ++j) {
-        const double h = hr[i * n + j];
-        dx.low += h * gs[j].low;
-        dx.high += h * gs[j].high;
-        Block& r = res[i * n + j];
-        r.low += xs[i].low * gs[j].low;
-        r.high += xs[i].high * gs[j].high;
-      }
-      store_block(dxp + i * D + d, dx);
+      Lanes8 dx{};
+      for (int64_t j = 0; j < n; ++j) dx += hr[i * n + j] * gs[j];
+      simd::store_any(dxp + i * D + d, &dx);
+      Lanes8 xi;
+      simd::load_any(&xi, x + i * D + d);
+      const Wide8 xw = widen(xi);
+      for (int64_t j = 0; j < n; ++j) add_product(&res[i * n + j], xw, gw[j]);
     }
   }
   double post_tail[kMaxStreams] = {}, res_tail[kMaxStreams * kMaxStreams] = {};
   for (; d < D; ++d) {
-    double dl = 0.0;
-    for (int64_t j = 0; j < n; ++j) {
-      const double gj = scalar(g[j * D + d]);
-      dl += double{hp[j]} * gj;
-      post_tail[j] += scalar(lo[d]) * gj;
-    }
+    float dl = 0.0f;
+    for (int64_t j = 0; j < n; ++j) dl += hp[j] * scalar(g[j * D + d]);
     put(dlo + d, dl);
+    for (int64_t j = 0; j < n; ++j) post_tail[j] += double{scalar(lo[d])} * scalar(g[j * D + d]);
     for (int64_t i = 0; i < n; ++i) {
-      double dx = 0.0;
       const double xi = scalar(x[i * D + d]);
-      for (int64_t j = 0; j < n; ++j) {
-        const double gj = scalar(g[j * D + d]);
-        dx += double{hr[i * n + j]} * gj;
-        res_tail[i * n + j] += xi * gj;
-      }
+      float dx = 0.0f;
+      for (int64_t j = 0; j < n; ++j) dx += hr[i * n + j] * scalar(g[j * D + d]);
       put(dxp + i * D + d, dx);
+      for (int64_t j = 0; j < n; ++j) res_tail[i * n + j] += xi * scalar(g[j * D + d]);
     }
   }
   for (int64_t j = 0; j < n; ++j) {
@@ -136,16 +122,50 @@ MHC_INLINE void post_backward_token(const X* g, const X* x, const L* lo, const f
   }
 }
 
+// Calls body(std::integral_constant<int, n>{}) for n in 1..kMaxStreams. The body must be an
+// always_inline lambda: an outlined lambda would be compiled for the baseline target only.
+template <class Body>
+MHC_INLINE void with_streams(int64_t n, Body body) {
+  switch (n) {
+#define MHC_STREAMS_CASE(k) \
+  case k: return body(std::integral_constant<int, k>{});
+    MHC_STREAMS_CASE(1)
+    MHC_STREAMS_CASE(2)
+    MHC_STREAMS_CASE(3)
+    MHC_STREAMS_CASE(4)
+    MHC_STREAMS_CASE(5)
+    MHC_STREAMS_CASE(6)
+    MHC_STREAMS_CASE(7)
+    MHC_STREAMS_CASE(8)
+    MHC_STREAMS_CASE(9)
+    MHC_STREAMS_CASE(10)
+    MHC_STREAMS_CASE(11)
+    MHC_STREAMS_CASE(12)
+    MHC_STREAMS_CASE(13)
+    MHC_STREAMS_CASE(14)
+    MHC_STREAMS_CASE(15)
+    MHC_STREAMS_CASE(16)
+#undef MHC_STREAMS_CASE
+    default: return;
+  }
+}
+static_assert(kMaxStreams == 16, "with_streams must cover every supported n");
+
 // target_clones applies to plain functions, not templates: one overloaded pair per dtype pair,
 // with the token bodies inlined into each clone.
 // NOLINTBEGIN(bugprone-macro-parentheses): X and L are types, which parentheses would break.
 #define MHC_POST_TOKENS(X, L)                                                                      \
   MHC_CLONES void post_forward_tokens(const X* x, const L* lo, const float* hp, const float* hr,   \
                                       int64_t n, int64_t D, int64_t begin, int64_t end, X* out) {  \
-    const int64_t M = n * D;                                                                       \
-    for (int64_t t = begin; t < end; ++t) {                                                        \
-      post_forward_token(x + t * M, lo + t * D, hp + t * n, hr + t * n * n, n, D, out + t * M);    \
-    }                                                                                              \
+    with_streams(                                                                                  \
+        n, [&](auto streams) __attribute__((always_inline)) {                                      \
+          constexpr int kN = decltype(streams)::value;                                             \
+          const int64_t M = kN * D;                                                                \
+          for (int64_t t = begin; t < end; ++t) {                                                  \
+            post_forward_token<kN>(x + t * M, lo + t * D, hp + t * kN, hr + t * kN * kN, D,        \
+                                   out + t * M);                                                   \
+          }                                                                                        \
+        });                                                                                        \
   }                                                                                                \
   MHC_CLONES void post_backward_tokens(                                                            \
       const X* g, const X* x, const L* lo, const float* hp, const float* hr, int64_t n, int64_t D, \

@@ -35,6 +35,28 @@ int64_t chunk_count(int64_t tiles, int64_t M, int64_t N) {
   return std::min({tiles, kMaxChunks, affordable});
 }
 
+// dphi = norm_weight * G and dnorm_weight = sum_c phi G for the rows [m0, m0 + width) of one
+// weight-gradient block, from total(c, j) = G[c, m0 + j] in double. dnorm_weight sums its N
+// signed terms, which can cancel, in double and in order of c; the rows' sums run side by side
+// (c outside, rows inside), so they are independent chains instead of one long dependent one.
+template <class Total>
+void finish_weight_block(int64_t m0, int64_t width, int64_t N, Total total,
+                         const float* norm_weight, const float* phi, float* dphi,
+                         float* dnorm_weight) {
+  double through_norm_weight[kWeightGradBlock] = {};
+  for (int64_t c = 0; c < N; ++c) {
+    for (int64_t j = 0; j < width; ++j) {
+      const int64_t m = m0 + j;
+      const double g = total(c, j);
+      dphi[m * N + c] = static_cast<float>(norm_weight[m] * g);
+      through_norm_weight[j] += phi[m * N + c] * g;
+    }
+  }
+  for (int64_t j = 0; j < width; ++j) {
+    dnorm_weight[m0 + j] = static_cast<float>(through_norm_weight[j]);
+  }
+}
+
 // What the split form supplies instead of computing it: summed partials [T, N+1] (P and the sum
 // of squares) and the summed dh_pre [T, n]; both null in the fused form.
 struct Supplied {
@@ -48,6 +70,38 @@ struct Supplied {
 inline int64_t backward_tile_tokens(int64_t M) {
   constexpr int64_t kTileFloats = int64_t{1} << 20;
   return std::clamp<int64_t>(kTileFloats / M, 1, 64);
+}
+
+// Per-tile state of the backward: the coefficient sweep's results for the second sweep, and the
+// f32 staging of bf16 activations. One per worker, or one shared when the rows are split.
+struct TileState {
+  float *x, *dlayer_in, *dx;       // f32 staging [tile, M], [tile, D], [tile, M] (bf16 only)
+  std::vector<float> P, dP;        // [tile, N]
+  std::vector<float> h_pre;        // [tile, n]
+  std::vector<float> rms_term;     // [tile]: dr r^3 / M
+  std::vector<double> token_sums;  // [tile, 3 + N]: each token's dalpha and dbias terms
+};
+
+// Per-worker state of the coefficient sweep.
+struct WorkerState {
+  std::vector<float> unused;   // h_post, h_res of the recompute [n + n*n]
+  std::vector<double> dh_pre;  // [n]
+  TokenCoefficients coefficients;
+};
+
+// `staging` holds tile * (2M + D) floats for bf16 activations (null for f32: never offset).
+// NOLINTNEXTLINE(readability-non-const-parameter): the tile state writes through it.
+TileState make_tile_state(const detail::Dims& dims, int64_t tile, float* staging) {
+  auto floats = [](int64_t count) { return std::vector<float>(static_cast<size_t>(count)); };
+  const int64_t M = dims.M, D = dims.D;
+  return TileState{staging,
+                   staging != nullptr ? staging + tile * M : nullptr,
+                   staging != nullptr ? staging + tile * (M + D) : nullptr,
+                   floats(tile * dims.N),
+                   floats(tile * dims.N),
+                   floats(tile * dims.n),
+                   floats(tile),
+                   std::vector<double>(static_cast<size_t>(tile * (3 + dims.N)))};
 }
 
 template <class X>
@@ -70,122 +124,190 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
     std::fill(dbias, dbias + N, 0.0f);
     return;
   }
-  // The projection is recomputed only when the caller supplies no partials.
-  const ProjectionWeight weight(
-      norm_weight, phi, M, N, supplied.partials == nullptr ? kRowLayout | kColLayout : kColLayout);
+  const FoldedWeight weight{norm_weight, phi, M, N};
   const int64_t tile = backward_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
   const int64_t chunks = chunk_count(tiles, M, N);
   ThreadPool& pool = ThreadPool::instance();
-  const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), chunks));
+  // With fewer tiles than threads (decode), each tile's sweeps are split over the threads: the
+  // projection and the second sweep by rows of W, the coefficient sweep by tokens.
+  const bool split_rows = supplied.partials == nullptr && tiles < pool.threads();
+  const int workers =
+      split_rows ? pool.threads() : static_cast<int>(std::min<int64_t>(pool.threads(), chunks));
+  // One tile: its weight-gradient sums go straight to dphi and dnorm_weight (the chunk
+  // reduction below gives the same bits from a single term).
+  const bool direct = tiles == 1;
 
-  // Per chunk: G [N, M], then dalpha [3] and dbias [N] in `small`.
+  // Per chunk: G [N, M], then dalpha [3] and dbias [N]. G is blocked by kWeightGradBlock columns
+  // of M ([M / 64][N][64]), so the block a tile adds to is contiguous instead of N rows 8*M bytes
+  // apart.
   thread_local std::vector<double> G_storage;
-  const auto G_size = static_cast<size_t>(chunks * N * M);
+  const auto G_size = direct ? size_t{0} : static_cast<size_t>(chunks * N * M);
   double* G = workspace(G_storage, G_size);
   std::fill_n(G, G_size, 0.0);
   std::vector<double> small(static_cast<size_t>(chunks * (N + 3)), 0.0);
 
-  // f32 staging of a tile of x, dlayer_in and dx per worker (bf16 only).
+  // f32 staging of a tile of x, dlayer_in and dx per tile state (bf16 only), reused across calls.
   constexpr bool kWiden = std::is_same_v<X, bf16>;
+  const int tile_state_count = split_rows ? 1 : workers;
   thread_local std::vector<float> staging_storage;
   const int64_t stage = kWiden ? tile * (2 * M + D) : 0;
-  float* staging = workspace(staging_storage, static_cast<size_t>(workers * stage));
-
-  struct Scratch {
-    float *x, *dlayer_in, *dx;    // f32 staging (bf16 only)
-    std::vector<float> P, dP;     // [tile, N]
-    std::vector<float> h_pre;     // [tile, n]
-    std::vector<float> rms_term;  // [tile]: dr r^3 / M
-    std::vector<float> unused;    // h_post, h_res of the recompute [n + n*n]
-    std::vector<double> dh_pre;   // [n]
-    TokenCoefficients coefficients;
-  };
-  std::vector<Scratch> scratch;
-  scratch.reserve(static_cast<size_t>(workers));
+  float* staging = workspace(staging_storage, static_cast<size_t>(tile_state_count * stage));
+  std::vector<TileState> tile_states;
+  tile_states.reserve(static_cast<size_t>(tile_state_count));
+  for (int w = 0; w < tile_state_count; ++w) {
+    tile_states.push_back(make_tile_state(dims, tile, kWiden ? staging + w * stage : nullptr));
+  }
+  std::vector<WorkerState> worker_states;
+  worker_states.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
-    // f32 activations need no staging (the pointers stay null, never offset).
-    float* mine = kWiden ? staging + w * stage : nullptr;
-    scratch.push_back(Scratch{
-        mine, kWiden ? mine + tile * M : nullptr, kWiden ? mine + tile * (M + D) : nullptr,
-        std::vector<float>(static_cast<size_t>(tile * N)),
-        std::vector<float>(static_cast<size_t>(tile * N)),
-        std::vector<float>(static_cast<size_t>(tile * n)),
-        std::vector<float>(static_cast<size_t>(tile)),
-        std::vector<float>(static_cast<size_t>(n + n * n)),
-        std::vector<double>(static_cast<size_t>(n)), TokenCoefficients(config, alpha, bias)});
+    worker_states.push_back(WorkerState{std::vector<float>(static_cast<size_t>(n + n * n)),
+                                        std::vector<double>(static_cast<size_t>(n)),
+                                        TokenCoefficients(config, alpha, bias)});
   }
 
-  pool.parallel_for(chunks, workers, [&](int64_t chunk, int worker) {
-    Scratch& s = scratch[static_cast<size_t>(worker)];
-    double* G_chunk = G + chunk * N * M;
-    double* dalpha_chunk = small.data() + chunk * (N + 3);
-    double* dbias_chunk = dalpha_chunk + 3;
-    const int64_t first = chunk * tiles / chunks, last = (chunk + 1) * tiles / chunks;
-    for (int64_t task = first; task < last; ++task) {
-      const int64_t t0 = task * tile;
-      const int64_t tokens = std::min(tile, T - t0);
-      const float* xf = as_f32(x + t0 * M, tokens * M, s.x);
-      const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in);
-
-      // First sweep: recompute (or read) P and r, then the coefficient backward per token.
-      if (supplied.partials == nullptr) project(xf, tokens, weight, s.P.data());
-      for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t token = t0 + t;
-        const float* xt = xf + t * M;
-        const float* P = s.P.data() + t * N;
-        double squares = 0.0;
-        if (supplied.partials == nullptr) {
-          squares = sum_squares(xt, M);
-        } else {
-          P = supplied.partials + token * (N + 1);
-          squares = P[N];
-        }
-        const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
-        float* pre = s.h_pre.data() + t * n;
-        s.coefficients.forward(P, r, pre, s.unused.data(), s.unused.data() + n);
-        for (int64_t k = 0; k < n; ++k) {
-          s.dh_pre[k] = supplied.dh_pre != nullptr ? supplied.dh_pre[token * n + k]
-                                                   : dot(xt + k * D, dli + t * D, D);
-        }
-        double dr = 0.0;
-        s.coefficients.backward(P, r, s.dh_pre.data(), dh_post + token * n, dh_res + token * n * n,
-                                s.dP.data() + t * N, &dr, dalpha_chunk, dbias_chunk);
-        s.rms_term[t] = static_cast<float>(dr * r * r * r / static_cast<double>(dims.M_full));
-      }
-
-      // Second sweep: dx and the weight gradient from the cached tile.
-      float* dxf = f32_target(dx + t0 * M, s.dx);
-      const float* dxp = as_f32(dx_partial + t0 * M, tokens * M, dxf);
-      if (dxp != dxf) std::copy(dxp, dxp + tokens * M, dxf);
-      for (int64_t t = 0; t < tokens; ++t) {
-        float* dxt = dxf + t * M;
-        for (int64_t k = 0; k < n; ++k) axpy(s.h_pre[t * n + k], dli + t * D, dxt + k * D, D);
-        axpy(-s.rms_term[t], xf + t * M, dxt, M);
-      }
-      add_projection_grad(s.dP.data(), tokens, weight, dxf);
-      accumulate_weight_grad(xf, s.dP.data(), tokens, M, N, G_chunk);
-      store_from(dxf, dx + t0 * M, tokens * M);
+  // The coefficient sweep of token t of the tile from t0: r and P (recomputed or read), the
+  // gates, dh_pre, then the coefficient backward into dP, the RMS term and the token's sums.
+  auto coefficient_token = [&](TileState& s, WorkerState& ws, const float* xf, const float* dli,
+                               int64_t t0, int64_t t) {
+    const int64_t token = t0 + t;
+    const float* xt = xf + t * M;
+    const float* P = s.P.data() + t * N;
+    double squares = 0.0;
+    if (supplied.partials == nullptr) {
+      squares = sum_squares(xt, M);
+    } else {
+      P = supplied.partials + token * (N + 1);
+      squares = P[N];
     }
-  });
-
-  // Fixed-order reduction of the chunks, parallel over rows m of phi.
-  constexpr int64_t kRows = 256;
-  pool.parallel_for(ceil_div(M, kRows), pool.threads(), [&](int64_t task, int) {
-    const int64_t end = std::min(M, (task + 1) * kRows);
-    for (int64_t m = task * kRows; m < end; ++m) {
-      // In double: dnorm_weight sums N signed terms per row, which can cancel.
-      double through_norm_weight = 0.0;
-      for (int64_t c = 0; c < N; ++c) {
-        double total = 0.0;
-        const int64_t at = weight_grad_index(c, m, M, N);
-        for (int64_t k = 0; k < chunks; ++k) total += G[k * N * M + at];
-        dphi[m * N + c] = static_cast<float>(norm_weight[m] * total);
-        through_norm_weight += phi[m * N + c] * total;
-      }
-      dnorm_weight[m] = static_cast<float>(through_norm_weight);
+    const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
+    float* pre = s.h_pre.data() + t * n;
+    ws.coefficients.forward(P, r, pre, ws.unused.data(), ws.unused.data() + n);
+    for (int64_t k = 0; k < n; ++k) {
+      ws.dh_pre[k] = supplied.dh_pre != nullptr ? supplied.dh_pre[token * n + k]
+                                                : dot(xt + k * D, dli + t * D, D);
     }
-  });
+    double* sums = s.token_sums.data() + t * (3 + N);
+    std::fill_n(sums, 3 + N, 0.0);
+    double dr = 0.0;
+    ws.coefficients.backward(P, r, ws.dh_pre.data(), dh_post + token * n, dh_res + token * n * n,
+                             s.dP.data() + t * N, &dr, sums, sums + 3);
+    s.rms_term[t] = static_cast<float>(dr * r * r * r / static_cast<double>(dims.M_full));
+  };
+
+  // The token sums of a tile added to its chunk's, in token order.
+  auto add_token_sums = [&](const TileState& s, int64_t tokens, int64_t chunk) {
+    double* total = small.data() + chunk * (N + 3);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t c = 0; c < N + 3; ++c)
+        total[c] += s.token_sums[static_cast<size_t>(t * (3 + N) + c)];
+    }
+  };
+
+  // The second sweep over rows [m_begin, m_end) of the tile from t0 (m_begin a multiple of
+  // kInputGradBlock): dx = dx_partial + H_pre dli - rms_term x + dP W^T, and the weight gradient
+  // of those rows, added to the chunk's G (or finished into dphi, dnorm_weight when direct).
+  auto second_sweep = [&](TileState& s, const float* xf, const float* dli, int64_t t0,
+                          int64_t tokens, int64_t chunk, int64_t m_begin, int64_t m_end) {
+    float* dxf = f32_target(dx + t0 * M, s.dx);
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* dxt = dxf + t * M;
+      const X* partial = dx_partial + (t0 + t) * M;
+      const float* dxp = as_f32(partial + m_begin, m_end - m_begin, dxt + m_begin);
+      if (dxp != dxt + m_begin) std::copy(dxp, dxp + (m_end - m_begin), dxt + m_begin);
+      for (int64_t k = m_begin / D; k * D < m_end; ++k) {
+        const int64_t d0 = std::max(m_begin, k * D) - k * D;
+        const int64_t d1 = std::min(m_end, (k + 1) * D) - k * D;
+        axpy(s.h_pre[static_cast<size_t>(t * n + k)], dli + t * D + d0, dxt + k * D + d0, d1 - d0);
+      }
+      axpy(-s.rms_term[static_cast<size_t>(t)], xf + t * M + m_begin, dxt + m_begin,
+           m_end - m_begin);
+    }
+    add_projection_grad(s.dP.data(), tokens, weight, m_begin, m_end, dxf);
+    thread_local std::vector<float> sums_storage;
+    float* S = workspace(sums_storage, static_cast<size_t>(N * kWeightGradBlock));
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += kWeightGradBlock) {
+      const int64_t width = std::min(kWeightGradBlock, M - m0);
+      weight_grad_sums(xf, s.dP.data(), tokens, M, N, m0, S);
+      if (direct) {
+        finish_weight_block(
+            m0, width, N,
+            [&](int64_t c, int64_t j) { return static_cast<double>(S[c * width + j]); },
+            norm_weight, phi, dphi, dnorm_weight);
+      } else {
+        double* block = G + chunk * N * M + m0 * N;
+        for (int64_t e = 0; e < N * width; ++e) block[e] += static_cast<double>(S[e]);
+      }
+    }
+    for (int64_t t = 0; t < tokens; ++t) {
+      store_from(dxf + t * M + m_begin, dx + (t0 + t) * M + m_begin, m_end - m_begin);
+    }
+  };
+
+  // Chunks own consecutive tiles; within a chunk the tiles run in order.
+  auto chunk_of = [&](int64_t chunk_index) {
+    return std::pair<int64_t, int64_t>{chunk_index * tiles / chunks,
+                                       (chunk_index + 1) * tiles / chunks};
+  };
+
+  if (split_rows) {
+    TileState& s = tile_states[0];
+    const int64_t row_tasks =
+        std::min<int64_t>(ceil_div(M, kInputGradBlock), 4 * int64_t{pool.threads()});
+    const int64_t row_blocks = ceil_div(M, kInputGradBlock);
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const auto [first, last] = chunk_of(chunk);
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t t0 = task * tile;
+        const int64_t tokens = std::min(tile, T - t0);
+        const float* xf = project_split_rows(x + t0 * M, tokens, weight, s.x, s.P.data());
+        const float* dli = s.dlayer_in;
+        if constexpr (std::is_same_v<X, float>) dli = dlayer_in + t0 * D;
+        pool.parallel_for(tokens, workers, [&](int64_t t, int worker) {
+          if constexpr (std::is_same_v<X, bf16>) {
+            widen(dlayer_in + (t0 + t) * D, s.dlayer_in + t * D, D);
+          }
+          coefficient_token(s, worker_states[static_cast<size_t>(worker)], xf, dli, t0, t);
+        });
+        add_token_sums(s, tokens, chunk);
+        pool.parallel_for(row_tasks, workers, [&](int64_t range, int) {
+          const int64_t m_begin = range * row_blocks / row_tasks * kInputGradBlock;
+          const int64_t m_end = std::min(M, (range + 1) * row_blocks / row_tasks * kInputGradBlock);
+          second_sweep(s, xf, dli, t0, tokens, chunk, m_begin, m_end);
+        });
+      }
+    }
+  } else {
+    pool.parallel_for(chunks, workers, [&](int64_t chunk, int worker) {
+      TileState& s = tile_states[static_cast<size_t>(worker)];
+      WorkerState& ws = worker_states[static_cast<size_t>(worker)];
+      const auto [first, last] = chunk_of(chunk);
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t t0 = task * tile;
+        const int64_t tokens = std::min(tile, T - t0);
+        const float* xf = as_f32(x + t0 * M, tokens * M, s.x);
+        const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in);
+        if (supplied.partials == nullptr) project(xf, tokens, weight, s.P.data());
+        for (int64_t t = 0; t < tokens; ++t) coefficient_token(s, ws, xf, dli, t0, t);
+        add_token_sums(s, tokens, chunk);
+        second_sweep(s, xf, dli, t0, tokens, chunk, 0, M);
+      }
+    });
+  }
+
+  // Fixed-order reduction of the chunks, parallel over blocks of rows m of phi.
+  if (!direct) {
+    pool.parallel_for(ceil_div(M, kWeightGradBlock), pool.threads(), [&](int64_t task, int) {
+      const int64_t m0 = task * kWeightGradBlock, width = std::min(kWeightGradBlock, M - m0);
+      const double* block = G + m0 * N;
+      auto total = [&](int64_t c, int64_t j) {
+        double sum = 0.0;
+        for (int64_t k = 0; k < chunks; ++k) sum += block[k * N * M + c * width + j];
+        return sum;
+      };
+      finish_weight_block(m0, width, N, total, norm_weight, phi, dphi, dnorm_weight);
+    });
+  }
   for (int64_t c = 0; c < N + 3; ++c) {
     double total = 0.0;
     for (int64_t k = 0; k < chunks; ++k) total += small[static_cast<size_t>(k * (N + 3) + c)];

@@ -2,7 +2,9 @@
 //
 // Fused, per token tile: one sweep computes the sum of squares and the projection
 // P = x (norm_weight * phi), the per-token math turns them into the coefficients, and a second
-// sweep over the same cached tile applies H_pre. The split form runs the first sweep alone
+// sweep over the same cached tile applies H_pre. With fewer tiles than threads (decode), the
+// projection of each tile is split over the threads by rows of W and its tokens then finish in
+// parallel; the results are the same bits either way. The split form runs the first sweep alone
 // (pre_forward_partials) and, after the caller's all-reduce, the rest from the summed partials
 // (pre_forward_finish).
 #include <cmath>
@@ -21,7 +23,7 @@ namespace {
 // Where each token's projection P [N] and sum of squares come from: computed from the tile of x
 // with the folded weight, or read from summed partials [T, N+1] (weight is then null).
 struct ProjectionSource {
-  const ProjectionWeight* weight = nullptr;
+  const FoldedWeight* weight = nullptr;
   const float* partials = nullptr;
 };
 
@@ -40,61 +42,91 @@ std::vector<PreScratch> make_scratch(const Config& config, const detail::Dims& d
   std::vector<PreScratch> scratch;
   scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
-    scratch.push_back(
-        PreScratch{std::vector<float>(kWiden ? static_cast<size_t>(tile * dims.M) : 0),
-                   std::vector<float>(static_cast<size_t>(tile * dims.N)),
-                   std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
-                   TokenCoefficients(config, alpha, bias)});
+    // With the rows split, worker 0's tile buffers are the shared ones.
+    const bool tile_buffers = w == 0 || dims.T > tile;
+    scratch.push_back(PreScratch{
+        std::vector<float>(kWiden && tile_buffers ? static_cast<size_t>(tile * dims.M) : 0),
+        std::vector<float>(tile_buffers ? static_cast<size_t>(tile * dims.N) : 0),
+        std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
+        TokenCoefficients(config, alpha, bias)});
   }
   return scratch;
+}
+
+// Everything after the projection for token t of the tile from t0: r, the coefficients and the
+// pre-apply. xf is the tile of x as f32; P_tile its projection (unused with partials).
+template <class X>
+void finish_token(const Config& config, const detail::Dims& dims, ProjectionSource source,
+                  const float* xf, const float* P_tile, int64_t t0, int64_t t, PreScratch& s,
+                  X* layer_in, float* h_pre, float* h_post, float* h_res) {
+  const int64_t n = dims.n, D = dims.D, M = dims.M, N = dims.N;
+  const int64_t token = t0 + t;
+  const float* xt = xf + t * M;
+  const float* P = P_tile + t * N;
+  double squares = 0.0;
+  if (source.weight != nullptr) {
+    squares = sum_squares(xt, M);
+  } else {
+    P = source.partials + token * (N + 1);
+    squares = P[N];
+  }
+  const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
+  float* pre = h_pre + token * n;
+  s.coefficients.forward(P, r, pre, h_post + token * n, h_res + token * n * n);
+  float* li = f32_target(layer_in + token * D, s.layer_in.data());
+  weighted_rows(nullptr, 0.0f, xt, n, pre, 1, D, li);
+  store_from(li, layer_in + token * D, D);
 }
 
 template <class X>
 void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionSource source,
          const float* alpha, const float* bias, X* layer_in, float* h_pre, float* h_post,
          float* h_res) {
-  const int64_t T = dims.T, n = dims.n, D = dims.D, M = dims.M, N = dims.N;
+  const int64_t T = dims.T, M = dims.M;
   if (T == 0) return;
   const int64_t tile = pre_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
   ThreadPool& pool = ThreadPool::instance();
-  const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
+  // With fewer tiles than threads (decode), each tile's projection is split over the threads by
+  // rows of W instead, and its tokens finish in parallel.
+  const bool split_rows = source.weight != nullptr && tiles < pool.threads();
+  const int workers =
+      split_rows ? pool.threads() : static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
   std::vector<PreScratch> scratch = make_scratch<X>(config, dims, tile, workers, alpha, bias);
+  auto finish = [&](const float* xf, const float* P, int64_t t0, int64_t t, int worker) {
+    finish_token(config, dims, source, xf, P, t0, t, scratch[static_cast<size_t>(worker)], layer_in,
+                 h_pre, h_post, h_res);
+  };
 
+  if (split_rows) {
+    PreScratch& shared = scratch[0];
+    for (int64_t t0 = 0; t0 < T; t0 += tile) {
+      const int64_t tokens = std::min(tile, T - t0);
+      const float* xf =
+          project_split_rows(x + t0 * M, tokens, *source.weight, shared.x.data(), shared.P.data());
+      pool.parallel_for(tokens, workers,
+                        [&](int64_t t, int worker) { finish(xf, shared.P.data(), t0, t, worker); });
+    }
+    return;
+  }
   pool.parallel_for(tiles, workers, [&](int64_t task, int worker) {
     PreScratch& s = scratch[static_cast<size_t>(worker)];
     const int64_t t0 = task * tile;
     const int64_t tokens = std::min(tile, T - t0);
     const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
     if (source.weight != nullptr) project(xf, tokens, *source.weight, s.P.data());
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t token = t0 + t;
-      const float* xt = xf + t * M;
-      const float* P = s.P.data() + t * N;
-      double squares = 0.0;
-      if (source.weight != nullptr) {
-        squares = sum_squares(xt, M);
-      } else {
-        P = source.partials + token * (N + 1);
-        squares = P[N];
-      }
-      const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
-      float* pre = h_pre + token * n;
-      s.coefficients.forward(P, r, pre, h_post + token * n, h_res + token * n * n);
-      float* li = f32_target(layer_in + token * D, s.layer_in.data());
-      weighted_rows(nullptr, 0.0f, xt, n, pre, 1, D, li);
-      store_from(li, layer_in + token * D, D);
-    }
+    for (int64_t t = 0; t < tokens; ++t) finish(xf, s.P.data(), t0, t, worker);
   });
 }
 
 template <class X>
-void run_partials(const detail::Dims& dims, const X* x, const ProjectionWeight& weight,
+void run_partials(const detail::Dims& dims, const X* x, const FoldedWeight& weight,
                   float* partials) {
   const int64_t T = dims.T, M = dims.M, N = dims.N;
   const int64_t tile = pre_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
   ThreadPool& pool = ThreadPool::instance();
+  const bool split_rows = tiles < pool.threads();
   const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
   struct Scratch {
     std::vector<float> x, P;
@@ -106,17 +138,28 @@ void run_partials(const detail::Dims& dims, const X* x, const ProjectionWeight& 
         Scratch{std::vector<float>(std::is_same_v<X, bf16> ? static_cast<size_t>(tile * M) : 0),
                 std::vector<float>(static_cast<size_t>(tile * N))});
   }
+  auto write = [&](const float* xf, const float* P, int64_t t0, int64_t t) {
+    float* row = partials + (t0 + t) * (N + 1);
+    std::copy(P + t * N, P + (t + 1) * N, row);
+    row[N] = static_cast<float>(sum_squares(xf + t * M, M));
+  };
+  if (split_rows) {
+    Scratch& s = scratch[0];
+    for (int64_t t0 = 0; t0 < T; t0 += tile) {
+      const int64_t tokens = std::min(tile, T - t0);
+      const float* xf = project_split_rows(x + t0 * M, tokens, weight, s.x.data(), s.P.data());
+      pool.parallel_for(tokens, pool.threads(),
+                        [&](int64_t t, int) { write(xf, s.P.data(), t0, t); });
+    }
+    return;
+  }
   pool.parallel_for(tiles, workers, [&](int64_t task, int worker) {
     Scratch& s = scratch[static_cast<size_t>(worker)];
     const int64_t t0 = task * tile;
     const int64_t tokens = std::min(tile, T - t0);
     const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
     project(xf, tokens, weight, s.P.data());
-    for (int64_t t = 0; t < tokens; ++t) {
-      float* row = partials + (t0 + t) * (N + 1);
-      std::copy(s.P.data() + t * N, s.P.data() + (t + 1) * N, row);
-      row[N] = static_cast<float>(sum_squares(xf + t * M, M));
-    }
+    for (int64_t t = 0; t < tokens; ++t) write(xf, s.P.data(), t0, t);
   });
 }
 
@@ -136,9 +179,8 @@ void run_any(const Config& config, const detail::Dims& dims, const TensorRef& x,
 void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
                  const Params& params, const PreForwardOutputs& outputs) {
   if (dims.T == 0) return;
-  const ProjectionWeight weight(static_cast<const float*>(params.norm_weight.data),
-                                static_cast<const float*>(params.phi.data), dims.M, dims.N,
-                                kRowLayout);
+  const FoldedWeight weight{static_cast<const float*>(params.norm_weight.data),
+                            static_cast<const float*>(params.phi.data), dims.M, dims.N};
   run_any(config, dims, x, ProjectionSource{&weight, nullptr},
           static_cast<const float*>(params.alpha.data), static_cast<const float*>(params.bias.data),
           outputs);
@@ -147,8 +189,8 @@ void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef
 void pre_forward_partials(const detail::Dims& dims, const TensorRef& x,
                           const TensorRef& norm_weight, const TensorRef& phi, float* partials) {
   if (dims.T == 0) return;
-  const ProjectionWeight weight(static_cast<const float*>(norm_weight.data),
-                                static_cast<const float*>(phi.data), dims.M, dims.N, kRowLayout);
+  const FoldedWeight weight{static_cast<const float*>(norm_weight.data),
+                            static_cast<const float*>(phi.data), dims.M, dims.N};
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
     run_partials(dims, static_cast<const X*>(x.data), weight, partials);

@@ -1,230 +1,386 @@
 // Micro-kernels of projection.h. Vectors run along the dimension each product keeps in
 // registers: N for the projection (a row of W is three 8-lane vectors for N = 24), M for the two
-// gradients; the other operand is broadcast. Every output element sees the same sequence of
-// operations whatever the blocking, so results depend on the shapes only.
+// gradients; the other operand is broadcast.
 #include "projection.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "simd.h"
-#include "thread_pool.h"
 
 namespace mhc::cpu {
 
 namespace {
 
-using simd::add_wide;
 using simd::kLanes;
 using simd::Lanes8;
 using simd::load;
 using simd::store;
 
-constexpr int64_t kFoldRows = 128;  // rows of W per f32 partial sum of the projection
-// Columns of M per block of the input gradient. W^T is stored blocked, [M/256][N][256], so a
-// block's N rows are contiguous: N rows 64 KiB apart would all map to the same L1 sets.
-constexpr int64_t kGradColumns = 256;
+// Whether the kernels fold W in registers rather than into a block buffer: with few tokens the
+// fold, done once per block, would cost more than the products; a row of phi narrower than one
+// vector always goes through the buffer. Either way gives the same numbers.
+inline bool fold_in_registers(int64_t tokens, int64_t N) { return tokens < 8 && N >= kLanes; }
+
 // Columns of x per packed block of the weight gradient: the tile's rows of x are M apart, and
 // packing [tokens, 64] contiguously keeps the register blocks' loads in L1.
 constexpr int64_t kPackColumns = kWeightGradBlock;
 
-// TB tokens x CB*8 columns of P over rows [m0, m1): acc[t][j] += x[t, m] * W[m, cols].
+// TB tokens x CB*8 columns of one block's sums over its rows [0, rows) of the folded block W
+// (row stride NP): acc[t][j] = sum_m x[t, m] * W[m, cols], stored as f32.
 template <int TB, int CB>
-MHC_INLINE void project_block(const float* x, int64_t M, const float* rows, int64_t NP, int64_t m0,
-                              int64_t m1, int64_t col, double* wide) {
+MHC_INLINE void project_block(const float* x, int64_t M, const float* W, int64_t NP, int64_t rows,
+                              int64_t col, float* sums) {
   Lanes8 acc[TB][CB] = {};
-  for (int64_t m = m0; m < m1; ++m) {
+  for (int64_t m = 0; m < rows; ++m) {
     Lanes8 w[CB];
-    for (int64_t j = 0; j < CB; ++j) load(&w[j], rows + m * NP + col + j * kLanes);
+    for (int64_t j = 0; j < CB; ++j) load(&w[j], W + m * NP + col + j * kLanes);
     for (int64_t t = 0; t < TB; ++t) {
       const float xv = x[t * M + m];
       for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
     }
   }
   for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t j = 0; j < CB; ++j) add_wide(wide + t * NP + col + j * kLanes, &acc[t][j]);
+    for (int64_t j = 0; j < CB; ++j) store(sums + t * NP + col + j * kLanes, &acc[t][j]);
+  }
+}
+
+// The same sums for few tokens, W folded in registers from phi (row stride N) instead of from a
+// folded block: the product norm_weight[m] * phi[m, c] is the same f32 value either way. Column
+// vector j starts at starts[j]; a last vector that would pass N starts at N - 8 instead, and
+// recomputes its overlap with the one before to the same values.
+template <int TB, int CB>
+MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* norm_weight,
+                                     const float* phi, int64_t N, int64_t NP, int64_t rows,
+                                     const int64_t* starts, float* sums) {
+  Lanes8 acc[TB][CB] = {};
+  for (int64_t m = 0; m < rows; ++m) {
+    const float scale = norm_weight[m];
+    Lanes8 w[CB];
+    for (int64_t j = 0; j < CB; ++j) {
+      load(&w[j], phi + m * N + starts[j]);
+      w[j] *= scale;
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const float xv = x[t * M + m];
+      for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t j = 0; j < CB; ++j) store(sums + t * NP + starts[j], &acc[t][j]);
   }
 }
 
 template <int TB>
-MHC_INLINE void project_tokens(const float* x, int64_t M, const float* rows, int64_t NP, int64_t m0,
-                               int64_t m1, double* wide) {
-  int64_t col = 0;
-  for (; col + 3 * kLanes <= NP; col += 3 * kLanes)
-    project_block<TB, 3>(x, M, rows, NP, m0, m1, col, wide);
-  if (NP - col == 2 * kLanes) project_block<TB, 2>(x, M, rows, NP, m0, m1, col, wide);
-  if (NP - col == kLanes) project_block<TB, 1>(x, M, rows, NP, m0, m1, col, wide);
+MHC_INLINE void project_tokens_direct(const float* x, int64_t M, const float* norm_weight,
+                                      const float* phi, int64_t N, int64_t NP, int64_t rows,
+                                      float* sums) {
+  int64_t starts[3];
+  for (int64_t col = 0; col < N; col += 3 * kLanes) {
+    int64_t count = 0;
+    for (; count < 3 && col + count * kLanes < N; ++count) {
+      starts[count] = std::min(col + count * kLanes, N - kLanes);
+    }
+    if (count == 3) project_block_direct<TB, 3>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+    if (count == 2) project_block_direct<TB, 2>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+    if (count == 1) project_block_direct<TB, 1>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+  }
 }
 
-// dx rows of TB tokens, VB*8 columns from m: acc = dx; acc += dP[t, c] * W^T[c, m..] over c.
-// `block` is W^T's block holding column m, with rows `width` apart, m0 its first column.
+template <int TB>
+MHC_INLINE void project_tokens(const float* x, int64_t M, const float* W, int64_t NP, int64_t rows,
+                               float* sums) {
+  int64_t col = 0;
+  for (; col + 3 * kLanes <= NP; col += 3 * kLanes)
+    project_block<TB, 3>(x, M, W, NP, rows, col, sums);
+  if (NP - col == 2 * kLanes) project_block<TB, 2>(x, M, W, NP, rows, col, sums);
+  if (NP - col == kLanes) project_block<TB, 1>(x, M, W, NP, rows, col, sums);
+}
+
+// dx rows of TB tokens, VB*8 columns from j of the folded block W^T (rows `width` apart):
+// acc = dx; acc += dP[t, c] * W^T[c, j..] over c in order.
 template <int TB, int VB>
 MHC_INLINE void input_grad_block(const float* dP, int64_t N, const float* block, int64_t width,
-                                 int64_t m0, int64_t M, int64_t m, float* dx) {
+                                 int64_t M, int64_t j, float* dx) {
   Lanes8 acc[TB][VB];
   for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t v = 0; v < VB; ++v) load(&acc[t][v], dx + t * M + m + v * kLanes);
+    for (int64_t v = 0; v < VB; ++v) load(&acc[t][v], dx + t * M + j + v * kLanes);
   }
   for (int64_t c = 0; c < N; ++c) {
     Lanes8 w[VB];
-    for (int64_t v = 0; v < VB; ++v) load(&w[v], block + c * width + (m - m0) + v * kLanes);
+    for (int64_t v = 0; v < VB; ++v) load(&w[v], block + c * width + j + v * kLanes);
     for (int64_t t = 0; t < TB; ++t) {
       const float d = dP[t * N + c];
       for (int64_t v = 0; v < VB; ++v) acc[t][v] += d * w[v];
     }
   }
   for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t v = 0; v < VB; ++v) store(dx + t * M + m + v * kLanes, &acc[t][v]);
+    for (int64_t v = 0; v < VB; ++v) store(dx + t * M + j + v * kLanes, &acc[t][v]);
   }
 }
 
+// Rows r[0..8) of 8 floats transposed in place: r[c][i] becomes the old r[i][c].
+MHC_INLINE void transpose8(Lanes8* r) {
+  Lanes8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// The input gradient of TB tokens for 8 columns from m with W^T folded in registers: 8 rows of
+// phi at a time, scaled by their norm_weight and transposed, so each column c of W^T arrives as
+// one vector over the 8 rows. The sums run over c in order, as in input_grad_block: a last group
+// of columns that would pass N starts at N - 8 and skips the columns already added.
 template <int TB>
-MHC_INLINE void input_grad_tokens(const float* dP, int64_t N, const float* cols, int64_t M,
-                                  int64_t m0, int64_t m1, float* dx) {
-  const float* block = cols + m0 * N;
-  const int64_t width = m1 - m0;
-  int64_t m = m0;
-  for (; m + 2 * kLanes <= m1; m += 2 * kLanes)
-    input_grad_block<TB, 2>(dP, N, block, width, m0, M, m, dx);
-  for (; m + kLanes <= m1; m += kLanes) input_grad_block<TB, 1>(dP, N, block, width, m0, M, m, dx);
-  for (; m < m1; ++m) {
+MHC_INLINE void input_grad_direct(const float* dP, int64_t N, const float* norm_weight,
+                                  const float* phi, int64_t M, int64_t m, float* dx) {
+  Lanes8 acc[TB];
+  for (int64_t t = 0; t < TB; ++t) load(&acc[t], dx + t * M + m);
+  for (int64_t c0 = 0; c0 < N; c0 += kLanes) {
+    const int64_t start = std::min(c0, N - kLanes);
+    Lanes8 w[8];
+    for (int64_t i = 0; i < 8; ++i) {
+      load(&w[i], phi + (m + i) * N + start);
+      w[i] *= norm_weight[m + i];
+    }
+    transpose8(w);
+    for (int64_t k = c0 - start; k < kLanes; ++k) {
+      for (int64_t t = 0; t < TB; ++t) acc[t] += dP[t * N + start + k] * w[k];
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t) store(dx + t * M + m, &acc[t]);
+}
+
+template <int TB>
+MHC_INLINE void input_grad_tokens_direct(const float* dP, int64_t N, const float* norm_weight,
+                                         const float* phi, int64_t M, int64_t m_begin,
+                                         int64_t m_end, float* dx) {
+  int64_t m = m_begin;
+  for (; m + kLanes <= m_end; m += kLanes) input_grad_direct<TB>(dP, N, norm_weight, phi, M, m, dx);
+  for (; m < m_end; ++m) {
     for (int64_t t = 0; t < TB; ++t) {
       float acc = dx[t * M + m];
-      for (int64_t c = 0; c < N; ++c) acc += dP[t * N + c] * block[c * width + (m - m0)];
+      for (int64_t c = 0; c < N; ++c) acc += dP[t * N + c] * (norm_weight[m] * phi[m * N + c]);
       dx[t * M + m] = acc;
     }
   }
 }
 
-// G rows c0..c0+CB, VB*8 columns from m: f32 sums over the tokens, then added to the double
-// block of G that holds column m (rows `width` apart, first column m0). `packed` holds the
-// tile's x for columns from m, one token every kPackColumns floats.
+// TB tokens of dx over one folded block (dx points at the block's first column).
+template <int TB>
+MHC_INLINE void input_grad_tokens(const float* dP, int64_t N, const float* block, int64_t width,
+                                  int64_t M, float* dx) {
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= width; j += 2 * kLanes)
+    input_grad_block<TB, 2>(dP, N, block, width, M, j, dx);
+  for (; j + kLanes <= width; j += kLanes) input_grad_block<TB, 1>(dP, N, block, width, M, j, dx);
+  for (; j < width; ++j) {
+    for (int64_t t = 0; t < TB; ++t) {
+      float acc = dx[t * M + j];
+      for (int64_t c = 0; c < N; ++c) acc += dP[t * N + c] * block[c * width + j];
+      dx[t * M + j] = acc;
+    }
+  }
+}
+
+// Sums of CB rows from c0 and VB*8 columns from j: f32 sums over the tokens, stored in S (rows
+// `width` apart). `packed` holds the tile's x for columns from j, one token every kPackColumns.
 template <int CB, int VB>
 MHC_INLINE void weight_grad_block(const float* packed, const float* dP, int64_t N, int64_t tokens,
-                                  int64_t c0, int64_t width, int64_t offset, double* block) {
+                                  int64_t c0, int64_t width, int64_t j, float* S) {
   Lanes8 acc[CB][VB] = {};
   for (int64_t t = 0; t < tokens; ++t) {
     Lanes8 xv[VB];
     for (int64_t v = 0; v < VB; ++v) load(&xv[v], packed + t * kPackColumns + v * kLanes);
-    for (int64_t j = 0; j < CB; ++j) {
-      const float d = dP[t * N + c0 + j];
-      for (int64_t v = 0; v < VB; ++v) acc[j][v] += d * xv[v];
+    for (int64_t k = 0; k < CB; ++k) {
+      const float d = dP[t * N + c0 + k];
+      for (int64_t v = 0; v < VB; ++v) acc[k][v] += d * xv[v];
     }
   }
-  for (int64_t j = 0; j < CB; ++j) {
-    for (int64_t v = 0; v < VB; ++v)
-      add_wide(block + (c0 + j) * width + offset + v * kLanes, &acc[j][v]);
+  for (int64_t k = 0; k < CB; ++k) {
+    for (int64_t v = 0; v < VB; ++v) store(S + (c0 + k) * width + j + v * kLanes, &acc[k][v]);
   }
 }
 
 template <int VB>
 MHC_INLINE void weight_grad_columns(const float* packed, const float* dP, int64_t N, int64_t tokens,
-                                    int64_t width, int64_t offset, double* block) {
+                                    int64_t width, int64_t j, float* S) {
   int64_t c = 0;
-  for (; c + 4 <= N; c += 4)
-    weight_grad_block<4, VB>(packed, dP, N, tokens, c, width, offset, block);
-  for (; c < N; ++c) weight_grad_block<1, VB>(packed, dP, N, tokens, c, width, offset, block);
+  for (; c + 4 <= N; c += 4) weight_grad_block<4, VB>(packed, dP, N, tokens, c, width, j, S);
+  for (; c < N; ++c) weight_grad_block<1, VB>(packed, dP, N, tokens, c, width, j, S);
 }
 
 }  // namespace
 
-ProjectionWeight::ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N,
-                                   unsigned layouts)
-    : M_(M),
-      N_(N),
-      NP_((N + kLanes - 1) / kLanes * kLanes),
-      rows_((layouts & kRowLayout) != 0 ? static_cast<size_t>(M * NP_) : 0, 0.0f),
-      cols_((layouts & kColLayout) != 0 ? static_cast<size_t>(M * N) : 0) {
-  const bool with_rows = !rows_.empty(), with_cols = !cols_.empty();
-  constexpr int64_t kRows = 1024;
-  ThreadPool& pool = ThreadPool::instance();
-  pool.parallel_for((M + kRows - 1) / kRows, pool.threads(), [&](int64_t task, int) {
-    const int64_t end = std::min(M, (task + 1) * kRows);
-    for (int64_t m = task * kRows; m < end; ++m) {
-      const int64_t m0 = m / kGradColumns * kGradColumns, width = std::min(kGradColumns, M - m0);
-      for (int64_t c = 0; c < N; ++c) {
-        const float w = norm_weight[m] * phi[m * N + c];
-        if (with_rows) rows_[static_cast<size_t>(m * NP_ + c)] = w;
-        if (with_cols) cols_[static_cast<size_t>(m0 * N + c * width + (m - m0))] = w;
-      }
+int64_t padded_width(int64_t N) { return (N + kLanes - 1) / kLanes * kLanes; }
+
+MHC_CLONES void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w,
+                               int64_t block_begin, int64_t block_end, float* sums) {
+  const int64_t M = w.M, N = w.N, NP = padded_width(N);
+  thread_local std::vector<float> folded;
+  if (folded.size() < static_cast<size_t>(kProjectionBlock * NP)) {
+    folded.resize(static_cast<size_t>(kProjectionBlock * NP));
+  }
+  float* W = folded.data();
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    const int64_t m0 = b * kProjectionBlock, rows = std::min(kProjectionBlock, M - m0);
+    const float* xb = x + m0;
+    float* out = sums + (b - block_begin) * tokens * NP;
+    if (fold_in_registers(tokens, N)) {
+      const float* nw = w.norm_weight + m0;
+      const float* phi = w.phi + m0 * N;
+      int64_t t = 0;
+      for (; t + 4 <= tokens; t += 4)
+        project_tokens_direct<4>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
+      const int64_t rest = tokens - t;
+      if (rest == 3) project_tokens_direct<3>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
+      if (rest == 2) project_tokens_direct<2>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
+      if (rest == 1) project_tokens_direct<1>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
+      continue;
     }
-  });
+    for (int64_t r = 0; r < rows; ++r) {
+      const float scale = w.norm_weight[m0 + r];
+      const float* phi_row = w.phi + (m0 + r) * N;
+      float* row = W + r * NP;
+      for (int64_t c = 0; c < N; ++c) row[c] = scale * phi_row[c];
+      for (int64_t c = N; c < NP; ++c) row[c] = 0.0f;
+    }
+    int64_t t = 0;
+    for (; t + 4 <= tokens; t += 4) project_tokens<4>(xb + t * M, M, W, NP, rows, out + t * NP);
+    const int64_t rest = tokens - t;
+    if (rest == 3) project_tokens<3>(xb + t * M, M, W, NP, rows, out + t * NP);
+    if (rest == 2) project_tokens<2>(xb + t * M, M, W, NP, rows, out + t * NP);
+    if (rest == 1) project_tokens<1>(xb + t * M, M, W, NP, rows, out + t * NP);
+  }
 }
 
-MHC_CLONES void project(const float* x, int64_t tokens, const ProjectionWeight& w, float* P) {
-  const int64_t M = w.M(), N = w.N(), NP = w.padded_N();
-  thread_local std::vector<double> wide;
-  wide.assign(static_cast<size_t>(tokens * NP), 0.0);
-  for (int64_t m0 = 0; m0 < M; m0 += kFoldRows) {
-    const int64_t m1 = std::min(M, m0 + kFoldRows);
-    int64_t t = 0;
-    for (; t + 4 <= tokens; t += 4)
-      project_tokens<4>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
-    const int64_t rest = tokens - t;
-    if (rest == 3) project_tokens<3>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
-    if (rest == 2) project_tokens<2>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
-    if (rest == 1) project_tokens<1>(x + t * M, M, w.rows(), NP, m0, m1, wide.data() + t * NP);
+void add_block_sums(const float* sums, int64_t blocks, int64_t tokens, int64_t NP, double* wide) {
+  const int64_t count = tokens * NP;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* block = sums + b * count;
+    for (int64_t k = 0; k < count; ++k) wide[k] += static_cast<double>(block[k]);
   }
+}
+
+void round_projection(const double* wide, int64_t tokens, int64_t N, float* P) {
+  const int64_t NP = padded_width(N);
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t c = 0; c < N; ++c)
-      P[t * N + c] = static_cast<float>(wide[static_cast<size_t>(t * NP + c)]);
+    for (int64_t c = 0; c < N; ++c) P[t * N + c] = static_cast<float>(wide[t * NP + c]);
   }
 }
 
-MHC_CLONES void add_projection_grad(const float* dP, int64_t tokens, const ProjectionWeight& w,
-                                    float* dx) {
-  const int64_t M = w.M(), N = w.N();
-  for (int64_t m0 = 0; m0 < M; m0 += kGradColumns) {
-    const int64_t m1 = std::min(M, m0 + kGradColumns);
+void project(const float* x, int64_t tokens, const FoldedWeight& w, float* P) {
+  // A few blocks at a time, so the block sums stay in L1 before they are added.
+  constexpr int64_t kBlocksPerStep = 4;
+  const int64_t NP = padded_width(w.N), blocks = (w.M + kProjectionBlock - 1) / kProjectionBlock;
+  thread_local std::vector<double> wide;
+  thread_local std::vector<float> sums;
+  wide.assign(static_cast<size_t>(tokens * NP), 0.0);
+  if (sums.size() < static_cast<size_t>(kBlocksPerStep * tokens * NP)) {
+    sums.resize(static_cast<size_t>(kBlocksPerStep * tokens * NP));
+  }
+  for (int64_t b = 0; b < blocks; b += kBlocksPerStep) {
+    const int64_t end = std::min(blocks, b + kBlocksPerStep);
+    project_blocks(x, tokens, w, b, end, sums.data());
+    add_block_sums(sums.data(), end - b, tokens, NP, wide.data());
+  }
+  round_projection(wide.data(), tokens, w.N, P);
+}
+
+MHC_CLONES void add_projection_grad(const float* dP, int64_t tokens, const FoldedWeight& w,
+                                    int64_t m_begin, int64_t m_end, float* dx) {
+  const int64_t M = w.M, N = w.N;
+  if (fold_in_registers(tokens, N)) {
+    int64_t t = 0;
+    for (; t + 4 <= tokens; t += 4) {
+      input_grad_tokens_direct<4>(dP + t * N, N, w.norm_weight, w.phi, M, m_begin, m_end,
+                                  dx + t * M);
+    }
+    const int64_t rest = tokens - t;
+    const float* dPt = dP + t * N;
+    float* dxt = dx + t * M;
+    if (rest == 3)
+      input_grad_tokens_direct<3>(dPt, N, w.norm_weight, w.phi, M, m_begin, m_end, dxt);
+    if (rest == 2)
+      input_grad_tokens_direct<2>(dPt, N, w.norm_weight, w.phi, M, m_begin, m_end, dxt);
+    if (rest == 1)
+      input_grad_tokens_direct<1>(dPt, N, w.norm_weight, w.phi, M, m_begin, m_end, dxt);
+    return;
+  }
+  // W^T of one block: N rows of `width` columns, contiguous (rows 64 KiB apart in a whole W^T
+  // would all map to the same L1 sets).
+  thread_local std::vector<float> folded;
+  if (folded.size() < static_cast<size_t>(N * kInputGradBlock)) {
+    folded.resize(static_cast<size_t>(N * kInputGradBlock));
+  }
+  float* block = folded.data();
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kInputGradBlock) {
+    const int64_t width = std::min(kInputGradBlock, m_end - m0);
+    for (int64_t j = 0; j < width; ++j) {
+      const float scale = w.norm_weight[m0 + j];
+      const float* phi_row = w.phi + (m0 + j) * N;
+      for (int64_t c = 0; c < N; ++c) block[c * width + j] = scale * phi_row[c];
+    }
+    float* out = dx + m0;
     int64_t t = 0;
     for (; t + 4 <= tokens; t += 4)
-      input_grad_tokens<4>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
+      input_grad_tokens<4>(dP + t * N, N, block, width, M, out + t * M);
     const int64_t rest = tokens - t;
-    if (rest == 3) input_grad_tokens<3>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
-    if (rest == 2) input_grad_tokens<2>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
-    if (rest == 1) input_grad_tokens<1>(dP + t * N, N, w.cols(), M, m0, m1, dx + t * M);
+    if (rest == 3) input_grad_tokens<3>(dP + t * N, N, block, width, M, out + t * M);
+    if (rest == 2) input_grad_tokens<2>(dP + t * N, N, block, width, M, out + t * M);
+    if (rest == 1) input_grad_tokens<1>(dP + t * N, N, block, width, M, out + t * M);
   }
 }
 
-MHC_CLONES void accumulate_weight_grad(const float* x, const float* dP, int64_t tokens, int64_t M,
-                                       int64_t N, double* G) {
+MHC_CLONES void weight_grad_sums(const float* x, const float* dP, int64_t tokens, int64_t M,
+                                 int64_t N, int64_t m0, float* S) {
   thread_local std::vector<float> packed;
-  packed.resize(static_cast<size_t>(tokens * kPackColumns));
-  for (int64_t m0 = 0; m0 < M; m0 += kPackColumns) {
-    const int64_t m1 = std::min(M, m0 + kPackColumns);
-    // The tile's rows are M floats apart, more streams than the hardware prefetcher follows:
-    // fetch the next block's lines while packing this one.
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* row = x + t * M;
-      for (int64_t ahead = m1; ahead < std::min(M, m1 + kPackColumns); ahead += 16) {
-        __builtin_prefetch(row + ahead);
-      }
-      float* out = packed.data() + t * kPackColumns;
-      if (m1 - m0 == kPackColumns) {
-        for (int64_t v = 0; v < kPackColumns / kLanes; ++v) {
-          Lanes8 lanes;
-          load(&lanes, row + m0 + v * kLanes);
-          store(out + v * kLanes, &lanes);
-        }
-      } else {
-        std::copy(row + m0, row + m1, out);
-      }
+  if (packed.size() < static_cast<size_t>(tokens * kPackColumns)) {
+    packed.resize(static_cast<size_t>(tokens * kPackColumns));
+  }
+  const int64_t m1 = std::min(M, m0 + kPackColumns), width = m1 - m0;
+  // The tile's rows are M floats apart, more streams than the hardware prefetcher follows:
+  // fetch the next block's lines while packing this one.
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* row = x + t * M;
+    for (int64_t ahead = m1; ahead < std::min(M, m1 + kPackColumns); ahead += 16) {
+      __builtin_prefetch(row + ahead);
     }
-    double* block = G + m0 * N;
-    const int64_t width = m1 - m0;
-    int64_t m = 0;
-    for (; m + 2 * kLanes <= width; m += 2 * kLanes) {
-      weight_grad_columns<2>(packed.data() + m, dP, N, tokens, width, m, block);
-    }
-    for (; m + kLanes <= width; m += kLanes) {
-      weight_grad_columns<1>(packed.data() + m, dP, N, tokens, width, m, block);
-    }
-    for (; m < width; ++m) {
-      for (int64_t c = 0; c < N; ++c) {
-        float acc = 0.0f;
-        for (int64_t t = 0; t < tokens; ++t)
-          acc += dP[t * N + c] * packed[static_cast<size_t>(t * kPackColumns + m)];
-        block[c * width + m] += acc;
+    float* out = packed.data() + t * kPackColumns;
+    if (width == kPackColumns) {
+      for (int64_t v = 0; v < kPackColumns / kLanes; ++v) {
+        Lanes8 lanes;
+        load(&lanes, row + m0 + v * kLanes);
+        store(out + v * kLanes, &lanes);
       }
+    } else {
+      std::copy(row + m0, row + m1, out);
+    }
+  }
+  int64_t j = 0;
+  for (; j + 2 * kLanes <= width; j += 2 * kLanes) {
+    weight_grad_columns<2>(packed.data() + j, dP, N, tokens, width, j, S);
+  }
+  for (; j + kLanes <= width; j += kLanes) {
+    weight_grad_columns<1>(packed.data() + j, dP, N, tokens, width, j, S);
+  }
+  for (; j < width; ++j) {
+    for (int64_t c = 0; c < N; ++c) {
+      float acc = 0.0f;
+      for (int64_t t = 0; t < tokens; ++t)
+        acc += dP[t * N + c] * packed[static_cast<size_t>(t * kPackColumns + j)];
+      S[c * width + j] = acc;
     }
   }
 }

@@ -1,59 +1,67 @@
 // The skinny matrix products of the pre operations (spec: Forward step 2 and its two gradients):
 // x [tokens, M] times the folded weight W = norm_weight * phi [M, N], with N = 2n + R small (24
-// for n = 4) and M = n*D large. Register-blocked micro-kernels, one per product, each cache
-// blocked so the block of W it streams stays in L1 while every token of the tile passes over it.
+// for n = 4) and M = n*D large. Register-blocked micro-kernels, one per product.
+//
+// W is never built whole. Each kernel folds the block of rows it is about to use,
+// norm_weight[m] * phi[m, c], into a small buffer that stays in L1 (rows for the projection, W^T
+// for the input gradient), so a call costs one read of phi and nothing else proportional to M*N:
+// at decode sizes (a few tokens) building W took most of the time. The fold is the same f32
+// product wherever it happens, so results do not depend on which kernel or thread folded.
+//
+// Every kernel works on a range of rows of W, so a call with few tokens can split the rows over
+// threads; every output element sees the same sequence of operations whatever the range split,
+// the token blocking or the thread count, so results depend on the shapes only.
 #pragma once
 
 #include <cstdint>
-#include <vector>
 
 namespace mhc::cpu {
 
-// Layouts of W a call needs: the projection streams rows, the input gradient cols.
-enum WeightLayout : unsigned { kRowLayout = 1, kColLayout = 2 };
-
-// W in the layouts the kernels stream, folded once per call; only those in `layouts` are built
-// (the forward never reads cols, and pre_backward_finish, which is handed P, never reads rows).
-class ProjectionWeight {
- public:
-  ProjectionWeight(const float* norm_weight, const float* phi, int64_t M, int64_t N,
-                   unsigned layouts);
-
-  int64_t M() const { return M_; }
-  int64_t N() const { return N_; }
-  int64_t padded_N() const { return NP_; }
-  const float* rows() const { return rows_.data(); }  // [M, NP]: N padded with zeros to 8 lanes
-  // W^T blocked by 256 columns of M: block b holds [N, width] with width = min(256, M - 256 b).
-  const float* cols() const { return cols_.data(); }
-
- private:
-  int64_t M_, N_, NP_;
-  std::vector<float> rows_, cols_;
+// The parameters W is folded from: norm_weight [M] and phi [M, N] as the caller holds them.
+struct FoldedWeight {
+  const float* norm_weight;
+  const float* phi;
+  int64_t M, N;
 };
 
-// P[t*N + c] = sum_m x[t*M + m] W[m, c] for t < tokens. Each output sums f32 products over
-// blocks of 128 rows and adds the block sums in double: the error of a length-M dot product
-// stays near eps*sqrt(128) relative instead of growing with M.
-void project(const float* x, int64_t tokens, const ProjectionWeight& w, float* P);
-
-// dx[t*M + m] += sum_c dP[t*N + c] W[m, c], columns summed in order.
-void add_projection_grad(const float* dP, int64_t tokens, const ProjectionWeight& w, float* dx);
-
-// G[c, m] += sum_t dP[t*N + c] x[t*M + m]: the tokens of one call summed in f32 (a tile, at
-// most 64), then added to the double accumulator G that spans all tiles. G [N, M] is stored
-// blocked by 64 columns of M (weight_grad_index), so the block a register tile adds to is
-// contiguous instead of N rows 8*M bytes apart.
-void accumulate_weight_grad(const float* x, const float* dP, int64_t tokens, int64_t M, int64_t N,
-                            double* G);
-
-// Columns of M per block of G (and per packed block of x in accumulate_weight_grad).
+// Rows of W per f32 partial sum of the projection: the partial sums of consecutive blocks are
+// added in double, so the error of a length-M dot product stays near eps*sqrt(128) relative
+// instead of growing with M.
+inline constexpr int64_t kProjectionBlock = 128;
+// Columns of M per block of the input gradient (one folded W^T block of N x 256).
+inline constexpr int64_t kInputGradBlock = 256;
+// Columns of M per block of the weight gradient.
 inline constexpr int64_t kWeightGradBlock = 64;
 
-// Where G[c, m] lives in accumulate_weight_grad's layout.
-inline int64_t weight_grad_index(int64_t c, int64_t m, int64_t M, int64_t N) {
-  const int64_t m0 = m / kWeightGradBlock * kWeightGradBlock;
-  const int64_t width = M - m0 < kWeightGradBlock ? M - m0 : kWeightGradBlock;
-  return m0 * N + c * width + (m - m0);
-}
+// N rounded up to whole 8-lane vectors: the row stride of projection block sums.
+int64_t padded_width(int64_t N);
+
+// Block sums of the projection for the blocks [block_begin, block_end) of kProjectionBlock rows:
+// sums[((b - block_begin) * tokens + t) * padded_width(N) + c] = f32 sum over the rows m of
+// block b of x[t*M + m] W[m, c] (padding columns hold garbage).
+void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w, int64_t block_begin,
+                    int64_t block_end, float* sums);
+
+// wide[t * NP + c] += the block sums of `blocks` consecutive blocks, widened to double, in block
+// order (NP = padded_width(N)).
+void add_block_sums(const float* sums, int64_t blocks, int64_t tokens, int64_t NP, double* wide);
+
+// P[t*N + c] = float(wide[t*NP + c]).
+void round_projection(const double* wide, int64_t tokens, int64_t N, float* P);
+
+// The whole projection P = x W on the calling thread: project_blocks over every block, added
+// with add_block_sums and rounded, the same numbers as any split of the blocks over threads.
+void project(const float* x, int64_t tokens, const FoldedWeight& w, float* P);
+
+// dx[t*M + m] += sum_c dP[t*N + c] W[m, c] for m in [m_begin, m_end), columns summed in order.
+// m_begin is a multiple of kInputGradBlock.
+void add_projection_grad(const float* dP, int64_t tokens, const FoldedWeight& w, int64_t m_begin,
+                         int64_t m_end, float* dx);
+
+// The weight gradient of one block of columns [m0, m0 + width), width = min(kWeightGradBlock,
+// M - m0), m0 a multiple of kWeightGradBlock: S[c * width + j] = f32 sum over the tokens of
+// dP[t*N + c] x[t*M + m0 + j].
+void weight_grad_sums(const float* x, const float* dP, int64_t tokens, int64_t M, int64_t N,
+                      int64_t m0, float* S);
 
 }  // namespace mhc::cpu

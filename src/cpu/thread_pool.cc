@@ -1,6 +1,7 @@
 #include "thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 
 namespace mhc::cpu {
@@ -14,6 +15,23 @@ int default_threads() {
   }
   const unsigned hardware = std::thread::hardware_concurrency();
   return hardware == 0 ? 1 : static_cast<int>(hardware);
+}
+// How long a worker watches for the next job, and the caller for the end of its job, before
+// sleeping: long enough to bridge the phases of one operation and back-to-back operations, short
+// enough that an idle pool costs nothing noticeable.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+// Spins until done() or kSpin has passed; returns done().
+template <class Done>
+bool spin_until(Done done) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (int round = 0;; ++round) {
+    if (done()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if ((round & 63) == 63 && std::chrono::steady_clock::now() > deadline) return done();
+  }
 }
 }  // namespace
 
@@ -33,7 +51,7 @@ void ThreadPool::start(int threads) {
     threads_ = threads;
     stopping_ = false;
     participants_ = 0;
-    current = generation_;
+    current = generation_.load();
   }
   // A new worker must wait for the next job: starting from generation 0 would make it join the
   // last (finished) job's generation and steal tasks of the next one under a stale worker index.
@@ -73,11 +91,12 @@ void ThreadPool::run_tasks(int worker) {
 
 void ThreadPool::worker_loop(int worker, uint64_t seen) {
   for (;;) {
+    spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; });
     {
       std::unique_lock<std::mutex> lock(state_mutex_);
       wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
       if (stopping_) return;
-      seen = generation_;
+      seen = generation_.load();
       if (worker > participants_) continue;  // this job has fewer scratch slots than threads
     }
     run_tasks(worker);
@@ -104,10 +123,11 @@ void ThreadPool::parallel_for(int64_t count, int max_workers, const Body& body) 
     next_.store(0);
     participants_ = helpers;
     active_ = helpers;
-    ++generation_;
+    generation_.fetch_add(1, std::memory_order_release);
   }
   wake_.notify_all();
   run_tasks(0);
+  spin_until([&] { return active_.load(std::memory_order_acquire) == 0; });
   std::unique_lock<std::mutex> lock(state_mutex_);
   done_.wait(lock, [&] { return active_ == 0; });
   body_ = nullptr;

@@ -1,6 +1,12 @@
 // A small fork-join pool: the caller and the workers pull task indices from one counter.
 // Results never depend on which worker ran a task; kernels make sure of that by giving every
 // task its own output range and reducing partials in task order.
+//
+// Waking a sleeping worker through the condition variable took about 15 us here, as long as a
+// whole decode-sized operation, so a worker that finished a job spins for a short while
+// (kSpinMicroseconds) watching for the next one before it sleeps, and the caller spins likewise
+// while the last workers finish. Back-to-back calls, and the phases of one call, then cost no
+// wake-up; an idle pool sleeps.
 #pragma once
 
 #include <atomic>
@@ -42,10 +48,10 @@ class ThreadPool {
   std::condition_variable done_;
   std::vector<std::thread> workers_;
   int threads_ = 1;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};  // written under state_mutex_, read while spinning
   bool stopping_ = false;
-  int participants_ = 0;  // workers (besides the caller) taking part in the current job
-  int active_ = 0;        // participants still running the current job
+  int participants_ = 0;        // workers (besides the caller) taking part in the current job
+  std::atomic<int> active_{0};  // participants still running the current job
   const Body* body_ = nullptr;
   int64_t count_ = 0;
   std::atomic<int64_t> next_{0};

@@ -4,8 +4,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "mhc/tensor.h"
+#include "projection.h"
+#include "thread_pool.h"
 #include "vector_math.h"
 
 namespace mhc::cpu {
@@ -38,5 +42,44 @@ inline float* f32_target(float* dst, float*) { return dst; }
 inline float* f32_target(bf16*, float* scratch) { return scratch; }
 inline void store_from(const float*, float*, int64_t) {}
 inline void store_from(const float* src, bf16* dst, int64_t count) { narrow(src, dst, count); }
+
+// Widens rows [m0, m1) of `tokens` rows of x (row stride M) into the same place of dst (bf16
+// only; f32 activations are used in place).
+inline void widen_columns(const float*, int64_t, int64_t, int64_t, int64_t, float*) {}
+inline void widen_columns(const bf16* x, int64_t tokens, int64_t M, int64_t m0, int64_t m1,
+                          float* dst) {
+  for (int64_t t = 0; t < tokens; ++t) widen(x + t * M + m0, dst + t * M + m0, m1 - m0);
+}
+
+// A tile with fewer tiles than threads to share: its projection P [tokens, N] split over the
+// threads by blocks of rows of W, each range widening its own columns of x (bf16) first. The
+// block sums are added in block order, so P has the same bits as project() on one thread.
+// Returns the tile of x as f32 (staging itself for bf16; staging then holds tokens x M).
+template <class X>
+const float* project_split_rows(const X* x, int64_t tokens, const FoldedWeight& w, float* staging,
+                                float* P) {
+  const int64_t M = w.M, NP = padded_width(w.N);
+  const int64_t blocks = ceil_div(M, kProjectionBlock);
+  thread_local std::vector<float> sums_storage;
+  thread_local std::vector<double> wide;
+  if (sums_storage.size() < static_cast<size_t>(blocks * tokens * NP)) {
+    sums_storage.resize(static_cast<size_t>(blocks * tokens * NP));
+  }
+  float* sums = sums_storage.data();
+  const float* xf = staging;
+  if constexpr (std::is_same_v<X, float>) xf = x;
+  ThreadPool& pool = ThreadPool::instance();
+  // A few ranges per thread, so a thread slowed by something else does not hold up the call.
+  const int64_t ranges = std::min<int64_t>(blocks, int64_t{pool.threads()});
+  pool.parallel_for(ranges, pool.threads(), [&](int64_t range, int) {
+    const int64_t b0 = range * blocks / ranges, b1 = (range + 1) * blocks / ranges;
+    widen_columns(x, tokens, M, b0 * kProjectionBlock, std::min(M, b1 * kProjectionBlock), staging);
+    project_blocks(xf, tokens, w, b0, b1, sums + b0 * tokens * NP);
+  });
+  wide.assign(static_cast<size_t>(tokens * NP), 0.0);
+  add_block_sums(sums, blocks, tokens, NP, wide.data());
+  round_projection(wide.data(), tokens, w.N, P);
+  return xf;
+}
 
 }  // namespace mhc::cpu

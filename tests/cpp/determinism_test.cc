@@ -92,6 +92,42 @@ INSTANTIATE_TEST_SUITE_P(MixAndDtype, Determinism,
                          testing::Combine(testing::Values(Mix::sinkhorn, Mix::permutations),
                                           testing::Values(DType::f32, DType::bf16)));
 
+// Decode sizes: with fewer token tiles than threads the pre operations split each tile's
+// projection and second sweep over the rows of W, and with fewer than 8 tokens the kernels fold W
+// in registers; the results must be the bits of one thread's token-by-token run. n = 3 makes
+// N = 15 (Sinkhorn) and 12 (permutations), so the last column vector overlaps the one before.
+class DecodeDeterminism : public testing::TestWithParam<std::tuple<int64_t, int64_t, DType>> {
+ protected:
+  void TearDown() override { set_num_threads(0); }
+};
+
+TEST_P(DecodeDeterminism, SameBitsForAnyThreadCount) {
+  const auto [n, T, dtype] = GetParam();
+  for (Mix mix : {Mix::sinkhorn, Mix::permutations}) {
+    for (int64_t dim : {int64_t{130}, int64_t{1024}}) {
+      Config config;
+      config.mix = mix;
+      config.n = n;
+      config.dim = dim;
+      const uint64_t seed = fresh_seed();
+      set_num_threads(1);
+      const Outputs one = run_all(config, T, dtype, seed);
+      for (int threads : {2, 3, 8}) {
+        set_num_threads(threads);
+        EXPECT_TRUE(run_all(config, T, dtype, seed) == one)
+            << "1 vs " << threads << " threads differ: n=" << n << " D=" << dim << " T=" << T
+            << " mix=" << to_string(mix) << " (seed " << seed << ")";
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(FewTokens, DecodeDeterminism,
+                         testing::Combine(testing::Values(int64_t{3}, int64_t{4}),
+                                          testing::Values(int64_t{1}, int64_t{5}, int64_t{8},
+                                                          int64_t{70}),
+                                          testing::Values(DType::f32, DType::bf16)));
+
 // Resizing the pool between calls with jobs of many and of few tiles: new workers must not join a
 // job they were not counted in (a stale-generation race once let them run tasks of the next job
 // under a worker index beyond its scratch). Results must stay identical throughout.
