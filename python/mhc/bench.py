@@ -7,8 +7,11 @@ of the jitted ``use_kernel=False`` path side by side, and reports their ratio, t
 max(bytes / copy bandwidth, FLOPs / FMA peak), with both ceilings measured in the same run.
 Peak memory of the sublayer's forward+backward is measured per path in a fresh subprocess.
 
-    python -m mhc.bench                          # T in {2048, 8192}, n = 4, D in {1024, 4096}, f32 and bf16
+    python -m mhc.bench                          # the decode table, then the roofline table
+    python -m mhc.bench --table roofline         # T in {2048, 8192}, n = 4, D in {1024, 4096}, f32 and bf16
+    python -m mhc.bench --table decode           # T in {1, 8, 64}, D in {4096, 7168}: latency in us
     python -m mhc.bench --tokens 1 --dims 64     # the small-shape case
+    python -m mhc.bench --batch-axis             # the sublayer with x [1, T, n, D] instead of [T, n, D]
     python -m mhc.bench --json results.json
 """
 
@@ -25,6 +28,8 @@ import sys
 import time
 
 OPS = ("pre_forward", "post_forward", "post_backward", "pre_backward", "sublayer_fwd", "sublayer_fwd_bwd")
+DECODE_TOKENS = (1, 8, 64)
+DECODE_DIMS = (4096, 7168)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +39,11 @@ class Shape:
     dim: int
     dtype: str
     mix: str
+    batch_axis: bool = False  # the sublayer ops take x [1, T, n, D]
 
     @property
     def label(self) -> str:
-        return f"T={self.tokens} n={self.n} D={self.dim} {self.dtype}"
+        return f"{'1x' if self.batch_axis else ''}T={self.tokens} n={self.n} D={self.dim} {self.dtype}"
 
 
 def projection_width(n: int, mix: str) -> int:
@@ -47,8 +53,14 @@ def projection_width(n: int, mix: str) -> int:
 
 
 def minimum_bytes(op: str, s: Shape) -> float:
-    """The spec's minimum memory traffic (section "Minimum memory traffic") for T tokens."""
+    """The spec's minimum memory traffic (section "Minimum memory traffic") for T tokens, plus the
+    parameters the spec leaves out because they vanish at large T but dominate at decode sizes:
+    each pre operation reads phi [nD, N] (f32) once, and pre_backward also writes dphi."""
     e = 2 if s.dtype == "bf16" else 4
+    phi = 4.0 * s.n * s.dim * projection_width(s.n, s.mix)
+    parameters = {"pre_forward": phi, "post_forward": 0.0, "post_backward": 0.0, "pre_backward": 2 * phi}
+    parameters["sublayer_fwd"] = parameters["pre_forward"]
+    parameters["sublayer_fwd_bwd"] = 2 * parameters["pre_forward"] + parameters["pre_backward"]
     per_token = {
         "pre_forward": (s.n + 1),
         "post_forward": (2 * s.n + 1),
@@ -57,7 +69,7 @@ def minimum_bytes(op: str, s: Shape) -> float:
     }
     per_token["sublayer_fwd"] = per_token["pre_forward"] + per_token["post_forward"]
     per_token["sublayer_fwd_bwd"] = sum(per_token[k] for k in OPS[:4])
-    return float(per_token[op] * s.dim * e * s.tokens)
+    return float(per_token[op] * s.dim * e * s.tokens) + parameters[op]
 
 
 def flop_count(op: str, s: Shape) -> float:
@@ -91,13 +103,17 @@ def _inputs(s: Shape, seed: int = 0):
     normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)  # noqa: E731
     h_post = jax.random.uniform(keys[5], (t, n), jnp.float32)
     h_res = jax.nn.softmax(jax.random.normal(keys[6], (t, n, n)), axis=-1)
+    x, g = normal(keys[1], (t, n, d)), normal(keys[3], (t, n, d))
+    lead = (1,) if s.batch_axis else ()
     return (
         config,
         params,
         dict(
-            x=normal(keys[1], (t, n, d)),
+            x=x,
+            x_sublayer=x.reshape(*lead, t, n, d),
             layer_out=normal(keys[2], (t, d)),
-            g=normal(keys[3], (t, n, d)),
+            g=g,
+            g_sublayer=g.reshape(*lead, t, n, d),
             dlayer_in=normal(keys[4], (t, d)),
             h_post=h_post,
             h_res=h_res,
@@ -127,9 +143,9 @@ def _functions(op: str, use_kernel: bool, config):
         return reference.post(layer_out, Context(x, h_post, h_res, config, False))
 
     if op == "sublayer_fwd":
-        return jax.jit(sublayer), ("x", "params")
+        return jax.jit(sublayer), ("x_sublayer", "params")
     if op == "sublayer_fwd_bwd":
-        return jax.jit(lambda x, params, g: jax.vjp(sublayer, x, params)[1](g)), ("x", "params", "g")
+        return jax.jit(lambda x, params, g: jax.vjp(sublayer, x, params)[1](g)), ("x_sublayer", "params", "g_sublayer")
     if use_kernel:
         table = {
             "pre_forward": (lambda x, params: _kernels.pre_forward(config, x, params), ("x", "params")),
@@ -183,7 +199,7 @@ def _memory_probe(s: Shape, use_kernel: bool) -> dict:
 
     config, params, data = _inputs(s)
     function, _ = _functions("sublayer_fwd_bwd", use_kernel, config)
-    args = (data["x"], params, data["g"])
+    args = (data["x_sublayer"], params, data["g_sublayer"])
     compiled = function.lower(*args).compile()
     jax.block_until_ready(function(*args))
 
@@ -282,6 +298,7 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                     "kernel_ms": times[True] * 1e3,
                     "plain_ms": times[False] * 1e3,
                     "speedup": times[False] / times[True],
+                    "minimum_bytes": nbytes,
                     "kernel_gbs": nbytes / times[True] / 1e9,
                     "kernel_gflops": flops / times[True] / 1e9,
                     "roofline_floor_ms": floor * 1e3,
@@ -301,6 +318,25 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
     return {"machine": machine, "repeats": repeats, "rows": rows}
 
 
+def format_decode_table(result: dict) -> str:
+    """Latency in microseconds next to the time of reading the op's minimum bytes once."""
+    lines = [
+        "Decode (latency in us; floor = minimum bytes, phi included, at the copy bandwidth):",
+        f"{'shape':<26} {'op':<14} {'kernel us':>10} {'plain us':>10} {'speedup':>8} {'floor us':>9} {'of floor':>9}",
+    ]
+    copy = result["machine"]["copy_gbs"]
+    for r in result["rows"]:
+        if r["op"] not in OPS[:4]:
+            continue
+        shape = f"T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"
+        floor_us = r["minimum_bytes"] / (copy * 1e9) * 1e6
+        lines.append(
+            f"{shape:<26} {r['op']:<14} {r['kernel_ms'] * 1e3:>10.1f} {r['plain_ms'] * 1e3:>10.1f} "
+            f"{r['speedup']:>7.2f}x {floor_us:>9.1f} {floor_us / (r['kernel_ms'] * 1e3):>8.0%}"
+        )
+    return "\n".join(lines)
+
+
 def format_table(result: dict) -> str:
     m = result["machine"]
     lines = [
@@ -315,7 +351,7 @@ def format_table(result: dict) -> str:
         f"{'shape':<26} {'op':<17} {'kernel ms':>10} {'plain ms':>10} {'speedup':>8} {'GB/s':>7} "
         f"{'GFLOP/s':>8} {'floor ms':>9} {'bound':>8} {'roofline':>9}",
     ]
-    shape_of = lambda r: f"T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"  # noqa: E731
+    shape_of = lambda r: f"{'1x' if r.get('batch_axis') else ''}T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"  # noqa: E731
     for r in result["rows"]:
         if r["op"] == "memory_fwd_bwd":
             continue
@@ -340,6 +376,17 @@ def format_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mhc.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--table",
+        default="both",
+        choices=["decode", "roofline", "both"],
+        help="decode: T in {1, 8, 64}, D in {4096, 7168}, the four operations; roofline: --tokens x --dims",
+    )
+    parser.add_argument(
+        "--decode-tokens", type=int, nargs="+", default=list(DECODE_TOKENS), help="T of the decode table"
+    )
+    parser.add_argument("--decode-dims", type=int, nargs="+", default=list(DECODE_DIMS), help="D of the decode table")
+    parser.add_argument("--batch-axis", action="store_true", help="the sublayer ops take x [1, T, n, D]")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="T values")
     parser.add_argument("--streams", type=int, default=4, help="n")
     parser.add_argument("--dims", type=int, nargs="+", default=[1024, 4096], help="D values")
@@ -357,9 +404,9 @@ def main(argv=None) -> int:
         shape, use_kernel = json.loads(args._probe)
         print(json.dumps(_memory_probe(Shape(**shape), use_kernel)))
         return 0
-    for name in ("tokens", "dims"):
+    for name in ("tokens", "dims", "decode_tokens", "decode_dims"):
         if any(v < 1 for v in getattr(args, name)):
-            parser.error(f"--{name}: expected positive values, got {getattr(args, name)}")
+            parser.error(f"--{name.replace('_', '-')}: expected positive values, got {getattr(args, name)}")
     if args.repeats < 1:
         parser.error(f"--repeats: expected >= 1, got {args.repeats}")
 
@@ -367,14 +414,32 @@ def main(argv=None) -> int:
 
     if args.threads:
         _mhc_cpu.set_num_threads(args.threads)
-    shapes = [
-        Shape(t, args.streams, d, dtype, args.mix) for dtype in args.dtypes for t in args.tokens for d in args.dims
-    ]
-    result = run(shapes, args.ops, args.repeats, memory=not args.no_memory)
-    print(format_table(result))
+    output = {}
+    if args.table in ("decode", "both"):
+        shapes = [
+            Shape(t, args.streams, d, dtype, args.mix)
+            for dtype in args.dtypes
+            for d in args.decode_dims
+            for t in args.decode_tokens
+        ]
+        ops = [op for op in args.ops if op in OPS[:4]]
+        # More repeats: each call is short, and the median of few is noisy.
+        output["decode"] = run(shapes, ops, max(args.repeats, 50), memory=False)
+        print(format_decode_table(output["decode"]))
+    if args.table in ("roofline", "both"):
+        shapes = [
+            Shape(t, args.streams, d, dtype, args.mix, args.batch_axis)
+            for dtype in args.dtypes
+            for t in args.tokens
+            for d in args.dims
+        ]
+        output["roofline"] = run(shapes, args.ops, args.repeats, memory=not args.no_memory)
+        if "decode" in output:
+            print()
+        print(format_table(output["roofline"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(output["roofline"] if args.table == "roofline" else output, f, indent=2)
     return 0
 
 

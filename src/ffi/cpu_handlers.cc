@@ -4,6 +4,10 @@
 // into an FFI InvalidArgument error; the operations validate everything themselves.
 #include <nanobind/nanobind.h>
 
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
 #include "handler_common.h"
 #include "mhc/ops.h"
 #include "mhc/roofline.h"
@@ -165,6 +169,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardFinish, PreBackwardFinishImpl,
 // The one registration table: target name -> handler. Python registers every entry.
 NB_MODULE(_mhc_cpu, module) {
   module.doc() = "XLA FFI handlers of mhc for the CPU platform";
+  // glibc serves every block over its mmap threshold (at most 32 MiB, whatever mallopt asks) with
+  // a fresh mmap, so each large XLA output is zero-filled page by page on first touch: the post
+  // operations inside JAX ran at half the speed of the kernels alone. With mmap off and a high
+  // trim threshold, freed large blocks stay in the heap and are reused. Process-wide: the heap
+  // keeps its high-water mark instead of returning freed large blocks to the system. Python
+  // calls this at import unless MHC_KEEP_MALLOC_DEFAULTS=1 (mhc/_ffi.py). Returns whether it
+  // applied (glibc only).
+  module.def("keep_large_blocks_in_heap", []() {
+#if defined(__GLIBC__)
+    constexpr int kTrimThreshold = 1 << 30;
+    return mallopt(M_MMAP_MAX, 0) == 1 && mallopt(M_TRIM_THRESHOLD, kTrimThreshold) == 1;
+#else
+    return false;
+#endif
+  });
   module.def("registrations", []() {
     nanobind::dict table;
     table["mhc_pre_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreForward));

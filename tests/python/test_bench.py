@@ -11,9 +11,12 @@ import pytest
 from mhc import bench
 
 
+@pytest.mark.parametrize("batch_axis", [False, True])
 @pytest.mark.parametrize("op", bench.OPS)
-def test_kernel_and_plain_functions_agree(op):
-    shape = bench.Shape(tokens=5, n=3, dim=16, dtype="f32", mix="sinkhorn")
+def test_kernel_and_plain_functions_agree(op, batch_axis):
+    if batch_axis and not op.startswith("sublayer"):
+        pytest.skip("only the sublayer ops take a batch axis")
+    shape = bench.Shape(tokens=5, n=3, dim=16, dtype="f32", mix="sinkhorn", batch_axis=batch_axis)
     config, params, data = bench._inputs(shape, seed=3)
     data["params"] = params
     results = []
@@ -30,16 +33,19 @@ def test_kernel_and_plain_functions_agree(op):
 
 def test_byte_and_flop_counts_follow_the_spec():
     s = bench.Shape(tokens=3, n=4, dim=8, dtype="bf16", mix="sinkhorn")
-    assert bench.minimum_bytes("pre_forward", s) == (4 + 1) * 8 * 2 * 3
-    assert bench.minimum_bytes("pre_backward", s) == (3 * 4 + 1) * 8 * 2 * 3
-    assert bench.minimum_bytes("sublayer_fwd_bwd", s) == (5 + 9 + 14 + 13) * 8 * 2 * 3
+    phi = 4 * (4 * 8) * 24  # read by each pre operation; pre_backward also writes dphi
+    assert bench.minimum_bytes("pre_forward", s) == (4 + 1) * 8 * 2 * 3 + phi
+    assert bench.minimum_bytes("post_forward", s) == (2 * 4 + 1) * 8 * 2 * 3
+    assert bench.minimum_bytes("pre_backward", s) == (3 * 4 + 1) * 8 * 2 * 3 + 2 * phi
+    assert bench.minimum_bytes("sublayer_fwd_bwd", s) == (5 + 9 + 14 + 13) * 8 * 2 * 3 + 4 * phi
     assert bench.projection_width(4, "sinkhorn") == 24 and bench.projection_width(4, "permutations") == 32
     assert bench.flop_count("pre_forward", s) == (2 * 4 * 8 * 24 + 2 * 4 * 8) * 3
 
 
 def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
-    argv = ["--tokens", "4", "--dims", "8", "--dtypes", "bf16", "--repeats", "1", "--json", str(path)]
+    argv = ["--table", "roofline", "--tokens", "4", "--dims", "8", "--dtypes", "bf16", "--repeats", "1"]
+    argv += ["--json", str(path)]
     assert bench.main(argv) == 0
     table = capsys.readouterr().out
     for op in bench.OPS:
@@ -56,7 +62,20 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     assert all("peak_added_bytes" in r for r in memory), memory
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--repeats", "0"], ["--dtypes", "f16"]])
+def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    argv = ["--table", "decode", "--decode-tokens", "1", "2", "--decode-dims", "8", "--dtypes", "f32"]
+    assert bench.main(argv + ["--json", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "Decode" in table and "kernel us" in table and "floor us" in table
+    rows = json.loads(path.read_text())["decode"]["rows"]
+    assert {(r["tokens"], r["op"]) for r in rows} == {(t, op) for t in (1, 2) for op in bench.OPS[:4]}
+    assert all(r["kernel_ms"] > 0 and r["minimum_bytes"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize(
+    "argv", [["--tokens", "0"], ["--repeats", "0"], ["--dtypes", "f16"], ["--decode-dims", "0"], ["--table", "x"]]
+)
 def test_bad_flags_are_rejected(argv):
     with pytest.raises(SystemExit):
         bench.main(argv)

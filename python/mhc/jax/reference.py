@@ -5,6 +5,7 @@ benchmarks compare the kernels with."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,10 @@ def mix_matrix(config: Config, logits: jax.Array) -> jax.Array:
 def coefficients(x: jax.Array, params: Params, config: Config):
     """h_pre [..., n], h_post [..., n], h_res [..., n, n] in f32 (spec: Forward steps 1-5)."""
     n = config.n
-    flat = x.astype(jnp.float32).reshape(*x.shape[:-2], n * x.shape[-1])
+    # Leading axes flattened into one token axis: with x [1, T, n, D] XLA's CPU column reduction
+    # for the norm_weight gradient over [1, T, M] took 10x longer than over [T, M].
+    lead = x.shape[:-2]
+    flat = x.astype(jnp.float32).reshape(math.prod(lead), n * x.shape[-1])
     r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + config.rms_eps)
     projection = jnp.matmul(flat * params.norm_weight, params.phi, precision=_HIGHEST)
     scale = jnp.concatenate(
@@ -54,7 +58,8 @@ def coefficients(x: jax.Array, params: Params, config: Config):
     logits = scale * (r * projection) + params.bias
     h_pre = jax.nn.sigmoid(logits[..., :n]) + config.pre_eps
     h_post = config.post_scale * jax.nn.sigmoid(logits[..., n : 2 * n])
-    return h_pre, h_post, mix_matrix(config, logits[..., 2 * n :])
+    h_res = mix_matrix(config, logits[..., 2 * n :])
+    return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
 
 def pre(x: jax.Array, params: Params, config: Config):
