@@ -74,7 +74,7 @@ void finish_token(const Config& config, const detail::Dims& dims, ProjectionSour
   float* pre = h_pre + token * n;
   s.coefficients.forward(P, r, pre, h_post + token * n, h_res + token * n * n);
   float* li = f32_target(layer_in + token * D, s.layer_in.data());
-  weighted_rows(nullptr, 0.0f, xt, n, pre, 1, D, li);
+  weighted_rows(xt, n, pre, D, li);
   store_from(li, layer_in + token * D, D);
 }
 

@@ -46,32 +46,12 @@ typedef double Wide4 __attribute__((vector_size(32)));
 // accumulators then stay in registers; memcpy into arrays of vectors made GCC keep them on the
 // stack).
 typedef float UnalignedLanes8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef float UnalignedLanes4 __attribute__((vector_size(16), aligned(4), may_alias));
-typedef double UnalignedWide4 __attribute__((vector_size(32), aligned(8), may_alias));
 
 // Helpers take vectors by pointer: by value would change the ABI between the clones.
 MHC_INLINE void load(Lanes8* v, const float* p) {
   *v = *reinterpret_cast<const UnalignedLanes8*>(p);
 }
 MHC_INLINE void store(float* p, const Lanes8* v) { *reinterpret_cast<UnalignedLanes8*>(p) = *v; }
-
-// out[0:8] += v, widened to double, one half at a time (an 8-double vector goes through memory).
-MHC_INLINE void add_wide(double* out, const Lanes8* v) {
-  const Lanes4 low = __builtin_shufflevector(*v, *v, 0, 1, 2, 3);
-  const Lanes4 high = __builtin_shufflevector(*v, *v, 4, 5, 6, 7);
-  *reinterpret_cast<UnalignedWide4*>(out) += __builtin_convertvector(low, Wide4);
-  *reinterpret_cast<UnalignedWide4*>(out + 4) += __builtin_convertvector(high, Wide4);
-}
-
-// acc += w * p[0:4], the four floats widened to double.
-MHC_INLINE void add_weighted4(Wide4* acc, double w, const float* p) {
-  *acc += w * __builtin_convertvector(*reinterpret_cast<const UnalignedLanes4*>(p), Wide4);
-}
-
-// p[0:4] = v rounded to f32.
-MHC_INLINE void narrow4(const Wide4* v, float* p) {
-  *reinterpret_cast<UnalignedLanes4*>(p) = __builtin_convertvector(*v, Lanes4);
-}
 
 typedef uint16_t Bits8x16 __attribute__((vector_size(16)));
 typedef uint32_t Bits8x32 __attribute__((vector_size(32)));

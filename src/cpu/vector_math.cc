@@ -52,31 +52,22 @@ MHC_CLONES double sum_squares(const float* x, int64_t count) {
   return combine_wide(lanes, tail);
 }
 
-MHC_CLONES void weighted_rows(const float* first, float first_weight, const float* rows,
-                              int64_t count, const float* weights, int64_t weight_stride, int64_t D,
+MHC_CLONES void weighted_rows(const float* rows, int64_t count, const float* weights, int64_t D,
                               float* out) {
-  // Eight outputs at a time in two 4-lane double accumulators held in registers across the rows
-  // (an accumulator array in memory made each row a load-add-store pass over it).
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) {
-    simd::Wide4 low = {}, high = {};
-    if (first != nullptr) {
-      simd::add_weighted4(&low, first_weight, first + d);
-      simd::add_weighted4(&high, first_weight, first + d + 4);
-    }
+  for (; d + kLanes <= D; d += kLanes) {
+    simd::Lanes8 acc{};
     for (int64_t r = 0; r < count; ++r) {
-      const double w = weights[r * weight_stride];
-      simd::add_weighted4(&low, w, rows + r * D + d);
-      simd::add_weighted4(&high, w, rows + r * D + d + 4);
+      simd::Lanes8 row;
+      simd::load(&row, rows + r * D + d);
+      acc += weights[r] * row;
     }
-    simd::narrow4(&low, out + d);
-    simd::narrow4(&high, out + d + 4);
+    simd::store(out + d, &acc);
   }
   for (; d < D; ++d) {
-    double acc = 0.0;
-    if (first != nullptr) acc += double{first_weight} * first[d];
-    for (int64_t r = 0; r < count; ++r) acc += double{weights[r * weight_stride]} * rows[r * D + d];
-    out[d] = static_cast<float>(acc);
+    float acc = 0.0f;
+    for (int64_t r = 0; r < count; ++r) acc += weights[r] * rows[r * D + d];
+    out[d] = acc;
   }
 }
 

@@ -23,10 +23,8 @@ double dot(const float* a, const float* b, int64_t count);
 double sum_squares(const float* x, int64_t count);
 void axpy(float a, const float* x, float* y, int64_t count);  // y += a*x
 
-// out[d] = first_weight * first[d] + sum_r weights[r * weight_stride] * rows[r * D + d], summed in
-// double and rounded once (first may be null). These are the few-term mixes over streams; a
-// short sum of signed terms can cancel, and double keeps even a single element within 1 ulp.
-void weighted_rows(const float* first, float first_weight, const float* rows, int64_t count,
-                   const float* weights, int64_t weight_stride, int64_t D, float* out);
+// out[d] = sum_r weights[r] * rows[r * D + d]: the pre-apply, a mix of at most 16 streams, in f32
+// FMA (a few ulps, inside the spec's bounds).
+void weighted_rows(const float* rows, int64_t count, const float* weights, int64_t D, float* out);
 
 }  // namespace mhc::cpu
