@@ -7,7 +7,8 @@
 // the spec's bounds). The per-token dots over D (dh_post, dh_res) sum signed terms that can
 // cancel, so their products and sums are in double lanes, summed in a fixed order: f32 partial
 // sums over 64 features failed the 1e-5 bound on a single cancelling dh_post (n = 1, D = 130). The
-// stream loops are compiled for each n from 1 to 16, so a token's streams stay in registers.
+// stream loops are compiled for each n from 1 to 8 (with_streams), so a token's streams stay in
+// registers.
 #include <type_traits>
 
 #include "kernels.h"
@@ -20,110 +21,113 @@ namespace mhc::cpu {
 namespace {
 
 using simd::Lanes8;
-using simd::Wide4;
 
 inline float scalar(float v) { return v; }
 inline float scalar(bf16 v) { return to_float(v); }
 inline void put(float* p, float v) { *p = v; }
 inline void put(bf16* p, float v) { *p = to_bf16(v); }
 
-// Eight features widened to double, as two halves.
-struct Wide8 {
-  Wide4 low, high;
-};
+// Eight features widened to double: one AVX-512 register in the v4 clone, two AVX ones in v3.
+typedef double Wide8 __attribute__((vector_size(64)));
 
-MHC_INLINE Wide8 widen(const Lanes8& v) {
-  Wide8 w;
-  simd::widen8(&v, &w.low, &w.high);
-  return w;
-}
+// Helpers take vectors by pointer: by value would change the ABI between the clones.
+MHC_INLINE void widen(const Lanes8* v, Wide8* out) { *out = __builtin_convertvector(*v, Wide8); }
 
-// acc += a * b, lane by lane, in double.
-MHC_INLINE void add_product(Wide8* acc, const Wide8& a, const Wide8& b) {
-  acc->low += a.low * b.low;
-  acc->high += a.high * b.high;
+// Fixed-order sum of the eight lanes.
+MHC_INLINE double sum8(const Wide8* v) {
+  const Wide8& w = *v;
+  const double s0 = w[0] + w[4], s1 = w[1] + w[5], s2 = w[2] + w[6], s3 = w[3] + w[7];
+  return (s0 + s2) + (s1 + s3);
 }
 
 // out[j] = h_post[j] layer_out + sum_i h_res[i][j] x[i] for one token.
-template <int kN, class X, class L>
+template <int kFixed, class X, class L>
 MHC_INLINE void post_forward_token(const X* x, const L* lo, const float* hp, const float* hr,
-                                   int64_t D, X* out) {
+                                   int64_t n_runtime, int64_t D, X* out) {
+  const int n = kFixed > 0 ? kFixed : static_cast<int>(n_runtime);
+  constexpr int kCap = kFixed > 0 ? kFixed : kMaxStreams;
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    Lanes8 rows[kN], l;
-    for (int i = 0; i < kN; ++i) simd::load_any(&rows[i], x + i * D + d);
+    Lanes8 rows[kCap], l;
+    for (int i = 0; i < n; ++i) simd::load_any(&rows[i], x + i * D + d);
     simd::load_any(&l, lo + d);
-    for (int j = 0; j < kN; ++j) {
+    for (int j = 0; j < n; ++j) {
       Lanes8 acc = hp[j] * l;
-      for (int i = 0; i < kN; ++i) acc += hr[i * kN + j] * rows[i];
+      for (int i = 0; i < n; ++i) acc += hr[i * n + j] * rows[i];
       simd::store_any(out + j * D + d, &acc);
     }
   }
   for (; d < D; ++d) {
-    for (int j = 0; j < kN; ++j) {
+    for (int j = 0; j < n; ++j) {
       float acc = hp[j] * scalar(lo[d]);
-      for (int i = 0; i < kN; ++i) acc += hr[i * kN + j] * scalar(x[i * D + d]);
+      for (int i = 0; i < n; ++i) acc += hr[i * n + j] * scalar(x[i * D + d]);
       put(out + j * D + d, acc);
     }
   }
 }
 
 // One token of the post backward: dlayer_out, dx_partial, dh_post, dh_res.
-template <class X, class L>
+template <int kFixed, class X, class L>
 MHC_INLINE void post_backward_token(const X* g, const X* x, const L* lo, const float* hp,
-                                    const float* hr, int64_t n, int64_t D, X* dxp, L* dlo,
-                                    float* dh_post, float* dh_res) {
-  Wide8 post[kMaxStreams], res[kMaxStreams * kMaxStreams];
-  for (int64_t e = 0; e < n; ++e) post[e] = Wide8{};
-  for (int64_t e = 0; e < n * n; ++e) res[e] = Wide8{};
+                                    const float* hr, int64_t D, X* dxp, L* dlo, float* dh_post,
+                                    float* dh_res, int64_t n_runtime) {
+  const int n = kFixed > 0 ? kFixed : static_cast<int>(n_runtime);
+  constexpr int kCap = kFixed > 0 ? kFixed : kMaxStreams;
+  Wide8 post[kCap], res[kCap * kCap];
+  for (int e = 0; e < n; ++e) post[e] = Wide8{};
+  for (int e = 0; e < n * n; ++e) res[e] = Wide8{};
   int64_t d = 0;
   for (; d + 8 <= D; d += 8) {
-    Lanes8 gs[kMaxStreams], l;
-    Wide8 gw[kMaxStreams];
-    for (int64_t k = 0; k < n; ++k) {
+    Lanes8 gs[kCap], l;
+    Wide8 gw[kCap];
+    for (int k = 0; k < n; ++k) {
       simd::load_any(&gs[k], g + k * D + d);
-      gw[k] = widen(gs[k]);
+      widen(&gs[k], &gw[k]);
     }
     simd::load_any(&l, lo + d);
     Lanes8 dl{};
-    for (int64_t j = 0; j < n; ++j) dl += hp[j] * gs[j];
+    for (int j = 0; j < n; ++j) dl += hp[j] * gs[j];
     simd::store_any(dlo + d, &dl);
-    const Wide8 lw = widen(l);
-    for (int64_t j = 0; j < n; ++j) add_product(&post[j], lw, gw[j]);
-    for (int64_t i = 0; i < n; ++i) {
+    Wide8 lw;
+    widen(&l, &lw);
+    for (int j = 0; j < n; ++j) post[j] += lw * gw[j];
+    for (int i = 0; i < n; ++i) {
       Lanes8 dx{};
-      for (int64_t j = 0; j < n; ++j) dx += hr[i * n + j] * gs[j];
+      for (int j = 0; j < n; ++j) dx += hr[i * n + j] * gs[j];
       simd::store_any(dxp + i * D + d, &dx);
       Lanes8 xi;
       simd::load_any(&xi, x + i * D + d);
-      const Wide8 xw = widen(xi);
-      for (int64_t j = 0; j < n; ++j) add_product(&res[i * n + j], xw, gw[j]);
+      Wide8 xw;
+      widen(&xi, &xw);
+      for (int j = 0; j < n; ++j) res[i * n + j] += xw * gw[j];
     }
   }
-  double post_tail[kMaxStreams] = {}, res_tail[kMaxStreams * kMaxStreams] = {};
+  double post_tail[kCap] = {}, res_tail[kCap * kCap] = {};
   for (; d < D; ++d) {
     float dl = 0.0f;
-    for (int64_t j = 0; j < n; ++j) dl += hp[j] * scalar(g[j * D + d]);
+    for (int j = 0; j < n; ++j) dl += hp[j] * scalar(g[j * D + d]);
     put(dlo + d, dl);
-    for (int64_t j = 0; j < n; ++j) post_tail[j] += double{scalar(lo[d])} * scalar(g[j * D + d]);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) post_tail[j] += double{scalar(lo[d])} * scalar(g[j * D + d]);
+    for (int i = 0; i < n; ++i) {
       const double xi = scalar(x[i * D + d]);
       float dx = 0.0f;
-      for (int64_t j = 0; j < n; ++j) dx += hr[i * n + j] * scalar(g[j * D + d]);
+      for (int j = 0; j < n; ++j) dx += hr[i * n + j] * scalar(g[j * D + d]);
       put(dxp + i * D + d, dx);
-      for (int64_t j = 0; j < n; ++j) res_tail[i * n + j] += xi * scalar(g[j * D + d]);
+      for (int j = 0; j < n; ++j) res_tail[i * n + j] += xi * scalar(g[j * D + d]);
     }
   }
-  for (int64_t j = 0; j < n; ++j) {
-    dh_post[j] = static_cast<float>(simd::sum8(&post[j].low, &post[j].high) + post_tail[j]);
+  for (int j = 0; j < n; ++j) {
+    dh_post[j] = static_cast<float>(sum8(&post[j]) + post_tail[j]);
   }
-  for (int64_t e = 0; e < n * n; ++e) {
-    dh_res[e] = static_cast<float>(simd::sum8(&res[e].low, &res[e].high) + res_tail[e]);
+  for (int e = 0; e < n * n; ++e) {
+    dh_res[e] = static_cast<float>(sum8(&res[e]) + res_tail[e]);
   }
 }
 
-// Calls body(std::integral_constant<int, n>{}) for n in 1..kMaxStreams. The body must be an
-// always_inline lambda: an outlined lambda would be compiled for the baseline target only.
+// Calls body(std::integral_constant<int, n>{}) for n in 1..8, where the stream loops unroll and a
+// token's streams stay in registers, and body(std::integral_constant<int, 0>{}) (n known at run
+// time only) above: compiling every n to 16 for every dtype pair and clone took minutes. The body
+// must be an always_inline lambda: an outlined lambda would be compiled for the baseline target.
 template <class Body>
 MHC_INLINE void with_streams(int64_t n, Body body) {
   switch (n) {
@@ -137,19 +141,10 @@ MHC_INLINE void with_streams(int64_t n, Body body) {
     MHC_STREAMS_CASE(6)
     MHC_STREAMS_CASE(7)
     MHC_STREAMS_CASE(8)
-    MHC_STREAMS_CASE(9)
-    MHC_STREAMS_CASE(10)
-    MHC_STREAMS_CASE(11)
-    MHC_STREAMS_CASE(12)
-    MHC_STREAMS_CASE(13)
-    MHC_STREAMS_CASE(14)
-    MHC_STREAMS_CASE(15)
-    MHC_STREAMS_CASE(16)
 #undef MHC_STREAMS_CASE
-    default: return;
+    default: return body(std::integral_constant<int, 0>{});
   }
 }
-static_assert(kMaxStreams == 16, "with_streams must cover every supported n");
 
 // target_clones applies to plain functions, not templates: one overloaded pair per dtype pair,
 // with the token bodies inlined into each clone.
@@ -159,22 +154,27 @@ static_assert(kMaxStreams == 16, "with_streams must cover every supported n");
                                       int64_t n, int64_t D, int64_t begin, int64_t end, X* out) {  \
     with_streams(                                                                                  \
         n, [&](auto streams) __attribute__((always_inline)) {                                      \
-          constexpr int kN = decltype(streams)::value;                                             \
-          const int64_t M = kN * D;                                                                \
+          constexpr int kFixed = decltype(streams)::value;                                         \
+          const int64_t M = n * D;                                                                 \
           for (int64_t t = begin; t < end; ++t) {                                                  \
-            post_forward_token<kN>(x + t * M, lo + t * D, hp + t * kN, hr + t * kN * kN, D,        \
-                                   out + t * M);                                                   \
+            post_forward_token<kFixed>(x + t * M, lo + t * D, hp + t * n, hr + t * n * n, n, D,    \
+                                       out + t * M);                                               \
           }                                                                                        \
         });                                                                                        \
   }                                                                                                \
   MHC_CLONES void post_backward_tokens(                                                            \
       const X* g, const X* x, const L* lo, const float* hp, const float* hr, int64_t n, int64_t D, \
       int64_t begin, int64_t end, X* dxp, L* dlo, float* dh_post, float* dh_res) {                 \
-    const int64_t M = n * D;                                                                       \
-    for (int64_t t = begin; t < end; ++t) {                                                        \
-      post_backward_token(g + t * M, x + t * M, lo + t * D, hp + t * n, hr + t * n * n, n, D,      \
-                          dxp + t * M, dlo + t * D, dh_post + t * n, dh_res + t * n * n);          \
-    }                                                                                              \
+    with_streams(                                                                                  \
+        n, [&](auto streams) __attribute__((always_inline)) {                                      \
+          constexpr int kFixed = decltype(streams)::value;                                         \
+          const int64_t M = n * D;                                                                 \
+          for (int64_t t = begin; t < end; ++t) {                                                  \
+            post_backward_token<kFixed>(g + t * M, x + t * M, lo + t * D, hp + t * n,              \
+                                        hr + t * n * n, D, dxp + t * M, dlo + t * D,               \
+                                        dh_post + t * n, dh_res + t * n * n, n);                   \
+          }                                                                                        \
+        });                                                                                        \
   }
 
 MHC_POST_TOKENS(float, float)
