@@ -4,6 +4,7 @@
 #include "projection.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <vector>
 
 #include "simd.h"
@@ -25,6 +26,7 @@ inline bool fold_in_registers(int64_t tokens, int64_t N) { return tokens < 8 && 
 // Columns of x per packed block of the weight gradient: the tile's rows of x are M apart, and
 // packing [tokens, 64] contiguously keeps the register blocks' loads in L1.
 constexpr int64_t kPackColumns = kWeightGradBlock;
+constexpr int64_t kLanes16 = 16;
 
 // TB tokens x CB*8 columns of one block's sums over its rows [0, rows) of the folded block W
 // (row stride NP): acc[t][j] = sum_m x[t, m] * W[m, cols], stored as f32.
@@ -221,9 +223,88 @@ MHC_INLINE void weight_grad_columns(const float* packed, const float* dP, int64_
   for (; c < N; ++c) weight_grad_block<1, VB>(packed, dP, N, tokens, c, width, j, S);
 }
 
+// The projection's register block with 16-lane vectors, for CPUs with AVX-512, W folded in
+// registers from phi as in project_block_direct (column vector j starts at starts[j]; a last one
+// that would pass N starts at N - 16). The same sums as the 8-lane kernels: each output adds the
+// products of its rows in order, one FMA each.
+typedef float Lanes16 __attribute__((vector_size(64)));
+typedef float UnalignedLanes16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+template <int TB, int CB>
+MHC_INLINE void project_block16(const float* x, int64_t M, const float* norm_weight,
+                                const float* phi, int64_t N, int64_t NP, int64_t rows,
+                                const int64_t* starts, float* sums) {
+  Lanes16 acc[TB][CB] = {};
+  for (int64_t m = 0; m < rows; ++m) {
+    const float scale = norm_weight[m];
+    Lanes16 w[CB];
+    for (int64_t j = 0; j < CB; ++j) {
+      w[j] = *reinterpret_cast<const UnalignedLanes16*>(phi + m * N + starts[j]) * scale;
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const float xv = x[t * M + m];
+      for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t j = 0; j < CB; ++j) {
+      *reinterpret_cast<UnalignedLanes16*>(sums + t * NP + starts[j]) = acc[t][j];
+    }
+  }
+}
+
+template <int TB>
+MHC_INLINE void project_tokens16(const float* x, int64_t M, const float* norm_weight,
+                                 const float* phi, int64_t N, int64_t NP, int64_t rows,
+                                 float* sums) {
+  int64_t starts[2];
+  for (int64_t col = 0; col < N; col += 2 * kLanes16) {
+    int64_t count = 0;
+    for (; count < 2 && col + count * kLanes16 < N; ++count) {
+      starts[count] = std::min(col + count * kLanes16, N - kLanes16);
+    }
+    if (count == 2) project_block16<TB, 2>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+    if (count == 1) project_block16<TB, 1>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+  }
+}
+
+#define MHC_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
+
+// One block of rows with the 16-lane kernels (N >= 16).
+MHC_AVX512 void project_block_avx512(const float* x, int64_t tokens, int64_t M,
+                                     const float* norm_weight, const float* phi, int64_t N,
+                                     int64_t NP, int64_t rows, float* out) {
+  int64_t t = 0;
+  for (; t + 8 <= tokens; t += 8) {
+    project_tokens16<8>(x + t * M, M, norm_weight, phi, N, NP, rows, out + t * NP);
+  }
+  for (; t + 4 <= tokens; t += 4) {
+    project_tokens16<4>(x + t * M, M, norm_weight, phi, N, NP, rows, out + t * NP);
+  }
+  const int64_t rest = tokens - t;
+  const float* xt = x + t * M;
+  float* sums = out + t * NP;
+  if (rest == 3) project_tokens16<3>(xt, M, norm_weight, phi, N, NP, rows, sums);
+  if (rest == 2) project_tokens16<2>(xt, M, norm_weight, phi, N, NP, rows, sums);
+  if (rest == 1) project_tokens16<1>(xt, M, norm_weight, phi, N, NP, rows, sums);
+}
+
 }  // namespace
 
-int64_t padded_width(int64_t N) { return (N + kLanes - 1) / kLanes * kLanes; }
+bool wide_projection() {
+  static const bool wide = [] {
+    const char* off = std::getenv("MHC_NO_AVX512");
+    if (off != nullptr && off[0] == '1') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0;
+  }();
+  return wide;
+}
+
+int64_t padded_width(int64_t N) {
+  const int64_t lanes = wide_projection() ? kLanes16 : kLanes;
+  return (N + lanes - 1) / lanes * lanes;
+}
 
 MHC_CLONES void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w,
                                int64_t block_begin, int64_t block_end, float* sums) {
@@ -237,6 +318,10 @@ MHC_CLONES void project_blocks(const float* x, int64_t tokens, const FoldedWeigh
     const int64_t m0 = b * kProjectionBlock, rows = std::min(kProjectionBlock, M - m0);
     const float* xb = x + m0;
     float* out = sums + (b - block_begin) * tokens * NP;
+    if (N >= kLanes16 && wide_projection()) {
+      project_block_avx512(xb, tokens, M, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows, out);
+      continue;
+    }
     if (fold_in_registers(tokens, N)) {
       const float* nw = w.norm_weight + m0;
       const float* phi = w.phi + m0 * N;

@@ -33,7 +33,13 @@ inline constexpr int64_t kInputGradBlock = 256;
 // Columns of M per block of the weight gradient.
 inline constexpr int64_t kWeightGradBlock = 64;
 
-// N rounded up to whole 8-lane vectors: the row stride of projection block sums.
+// Whether the projection runs its 16-lane (AVX-512) kernels: on CPUs with AVX-512F, unless
+// MHC_NO_AVX512=1 (which the tests set to cover the 8-lane kernels on such machines). Both give
+// the same numbers: every output sums the same products in the same order.
+bool wide_projection();
+
+// N rounded up to whole vectors of the projection kernels (16 or 8 lanes): the row stride of the
+// projection block sums.
 int64_t padded_width(int64_t N);
 
 // Block sums of the projection for the blocks [block_begin, block_end) of kProjectionBlock rows:
