@@ -289,6 +289,107 @@ MHC_AVX512 void project_block_avx512(const float* x, int64_t tokens, int64_t M,
   if (rest == 1) project_tokens16<1>(xt, M, norm_weight, phi, N, NP, rows, sums);
 }
 
+// The input gradient with 16-lane vectors: TB tokens x VB*16 columns from j of a folded W^T block,
+// sums over c in order as input_grad_block.
+template <int TB, int VB>
+MHC_INLINE void input_grad_block16(const float* dP, int64_t N, const float* block, int64_t width,
+                                   int64_t M, int64_t j, float* dx) {
+  Lanes16 acc[TB][VB];
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t v = 0; v < VB; ++v) {
+      acc[t][v] = *reinterpret_cast<const UnalignedLanes16*>(dx + t * M + j + v * kLanes16);
+    }
+  }
+  for (int64_t c = 0; c < N; ++c) {
+    Lanes16 w[VB];
+    for (int64_t v = 0; v < VB; ++v) {
+      w[v] = *reinterpret_cast<const UnalignedLanes16*>(block + c * width + j + v * kLanes16);
+    }
+    for (int64_t t = 0; t < TB; ++t) {
+      const float d = dP[t * N + c];
+      for (int64_t v = 0; v < VB; ++v) acc[t][v] += d * w[v];
+    }
+  }
+  for (int64_t t = 0; t < TB; ++t) {
+    for (int64_t v = 0; v < VB; ++v) {
+      *reinterpret_cast<UnalignedLanes16*>(dx + t * M + j + v * kLanes16) = acc[t][v];
+    }
+  }
+}
+
+template <int TB>
+MHC_INLINE void input_grad_tokens16(const float* dP, int64_t N, const float* block, int64_t width,
+                                    int64_t M, float* dx) {
+  int64_t j = 0;
+  for (; j + 2 * kLanes16 <= width; j += 2 * kLanes16)
+    input_grad_block16<TB, 2>(dP, N, block, width, M, j, dx);
+  for (; j + kLanes16 <= width; j += kLanes16)
+    input_grad_block16<TB, 1>(dP, N, block, width, M, j, dx);
+  for (; j + kLanes <= width; j += kLanes) input_grad_block<TB, 1>(dP, N, block, width, M, j, dx);
+  for (; j < width; ++j) {
+    for (int64_t t = 0; t < TB; ++t) {
+      float acc = dx[t * M + j];
+      for (int64_t c = 0; c < N; ++c) acc += dP[t * N + c] * block[c * width + j];
+      dx[t * M + j] = acc;
+    }
+  }
+}
+
+// One folded block of the input gradient, every token, with the 16-lane kernels.
+MHC_AVX512 void input_grad_avx512(const float* dP, int64_t tokens, int64_t N, const float* block,
+                                  int64_t width, int64_t M, float* dx) {
+  int64_t t = 0;
+  for (; t + 8 <= tokens; t += 8)
+    input_grad_tokens16<8>(dP + t * N, N, block, width, M, dx + t * M);
+  for (; t + 4 <= tokens; t += 4)
+    input_grad_tokens16<4>(dP + t * N, N, block, width, M, dx + t * M);
+  const int64_t rest = tokens - t;
+  if (rest == 3) input_grad_tokens16<3>(dP + t * N, N, block, width, M, dx + t * M);
+  if (rest == 2) input_grad_tokens16<2>(dP + t * N, N, block, width, M, dx + t * M);
+  if (rest == 1) input_grad_tokens16<1>(dP + t * N, N, block, width, M, dx + t * M);
+}
+
+// The weight gradient with 16-lane vectors: CB rows from c0 x VB*16 columns from j, f32 sums over
+// the tokens in order as weight_grad_block.
+template <int CB, int VB>
+MHC_INLINE void weight_grad_block16(const float* packed, const float* dP, int64_t N, int64_t tokens,
+                                    int64_t c0, int64_t width, int64_t j, float* S) {
+  Lanes16 acc[CB][VB] = {};
+  for (int64_t t = 0; t < tokens; ++t) {
+    Lanes16 xv[VB];
+    for (int64_t v = 0; v < VB; ++v) {
+      xv[v] = *reinterpret_cast<const UnalignedLanes16*>(packed + t * kPackColumns + v * kLanes16);
+    }
+    for (int64_t k = 0; k < CB; ++k) {
+      const float d = dP[t * N + c0 + k];
+      for (int64_t v = 0; v < VB; ++v) acc[k][v] += d * xv[v];
+    }
+  }
+  for (int64_t k = 0; k < CB; ++k) {
+    for (int64_t v = 0; v < VB; ++v) {
+      *reinterpret_cast<UnalignedLanes16*>(S + (c0 + k) * width + j + v * kLanes16) = acc[k][v];
+    }
+  }
+}
+
+// The columns [0, done) of one packed block with the 16-lane kernels; returns done (a multiple
+// of 16), the rest left to the 8-lane ones.
+MHC_AVX512 int64_t weight_grad_avx512(const float* packed, const float* dP, int64_t N,
+                                      int64_t tokens, int64_t width, float* S) {
+  int64_t j = 0;
+  for (; j + 2 * kLanes16 <= width; j += 2 * kLanes16) {
+    int64_t c = 0;
+    for (; c + 8 <= N; c += 8) weight_grad_block16<8, 2>(packed + j, dP, N, tokens, c, width, j, S);
+    for (; c < N; ++c) weight_grad_block16<1, 2>(packed + j, dP, N, tokens, c, width, j, S);
+  }
+  for (; j + kLanes16 <= width; j += kLanes16) {
+    int64_t c = 0;
+    for (; c + 8 <= N; c += 8) weight_grad_block16<8, 1>(packed + j, dP, N, tokens, c, width, j, S);
+    for (; c < N; ++c) weight_grad_block16<1, 1>(packed + j, dP, N, tokens, c, width, j, S);
+  }
+  return j;
+}
+
 }  // namespace
 
 bool wide_projection() {
@@ -418,6 +519,10 @@ MHC_CLONES void add_projection_grad(const float* dP, int64_t tokens, const Folde
       for (int64_t c = 0; c < N; ++c) block[c * width + j] = scale * phi_row[c];
     }
     float* out = dx + m0;
+    if (wide_projection()) {
+      input_grad_avx512(dP, tokens, N, block, width, M, out);
+      continue;
+    }
     int64_t t = 0;
     for (; t + 4 <= tokens; t += 4)
       input_grad_tokens<4>(dP + t * N, N, block, width, M, out + t * M);
@@ -453,7 +558,7 @@ MHC_CLONES void weight_grad_sums(const float* x, const float* dP, int64_t tokens
       std::copy(row + m0, row + m1, out);
     }
   }
-  int64_t j = 0;
+  int64_t j = wide_projection() ? weight_grad_avx512(packed.data(), dP, N, tokens, width, S) : 0;
   for (; j + 2 * kLanes <= width; j += 2 * kLanes) {
     weight_grad_columns<2>(packed.data() + j, dP, N, tokens, width, j, S);
   }

@@ -20,14 +20,26 @@ inline double combine_wide(const double* lanes, double tail) {
 }  // namespace
 
 MHC_CLONES void widen(const bf16* src, float* dst, int64_t count) {
-  for (int64_t k = 0; k < count; ++k) {
+  int64_t k = 0;
+  for (; k + kLanes <= count; k += kLanes) {
+    simd::Lanes8 v;
+    simd::load_bf16(&v, src + k);
+    simd::store(dst + k, &v);
+  }
+  for (; k < count; ++k) {
     const uint32_t word = static_cast<uint32_t>(src[k].bits) << 16;
     std::memcpy(dst + k, &word, sizeof(float));
   }
 }
 
 MHC_CLONES void narrow(const float* src, bf16* dst, int64_t count) {
-  for (int64_t k = 0; k < count; ++k) dst[k] = to_bf16(src[k]);
+  int64_t k = 0;
+  for (; k + kLanes <= count; k += kLanes) {
+    simd::Lanes8 v;
+    simd::load(&v, src + k);
+    simd::store_bf16(dst + k, &v);
+  }
+  for (; k < count; ++k) dst[k] = to_bf16(src[k]);
 }
 
 // Eight double lanes as one value (one AVX-512 register in the v4 clone); lane l sums the
