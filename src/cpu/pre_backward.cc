@@ -230,10 +230,7 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       const int64_t width = std::min(kWeightGradBlock, M - m0);
       weight_grad_sums(xf, s.dP.data(), tokens, M, N, m0, S);
       if (direct) {
-        finish_weight_block(
-            m0, width, N,
-            [&](int64_t c, int64_t j) { return static_cast<double>(S[c * width + j]); },
-            norm_weight, phi, dphi, dnorm_weight);
+        finish_weight_sums(S, width, N, m0, norm_weight, phi, dphi, dnorm_weight);
       } else {
         double* block = G + chunk * N * M + m0 * N;
         for (int64_t e = 0; e < N * width; ++e) block[e] += static_cast<double>(S[e]);

@@ -575,4 +575,47 @@ MHC_CLONES void weight_grad_sums(const float* x, const float* dP, int64_t tokens
   }
 }
 
+MHC_CLONES void finish_weight_sums(const float* S, int64_t width, int64_t N, int64_t m0,
+                                   const float* norm_weight, const float* phi, float* dphi,
+                                   float* dnorm_weight) {
+  typedef double Wide8 __attribute__((vector_size(64)));
+  int64_t j = 0;
+  if (N >= kLanes) {
+    // 8 rows at a time: blocks of 8 columns c transposed in registers, so dphi is stored along c
+    // and each row's dnorm_weight sum runs over c in order, one lane per row.
+    for (; j + kLanes <= width; j += kLanes) {
+      const int64_t m = m0 + j;
+      Wide8 through = {};
+      for (int64_t c0 = 0; c0 < N; c0 += kLanes) {
+        const int64_t start = std::min(c0, N - kLanes);
+        Lanes8 sums[8], phis[8];
+        for (int64_t k = 0; k < 8; ++k) load(&sums[k], S + (start + k) * width + j);
+        for (int64_t i = 0; i < 8; ++i) load(&phis[i], phi + (m + i) * N + start);
+        transpose8(phis);  // phis[k] = column start + k of the 8 rows
+        // Columns before c0 belong to the block before (the last block overlaps it).
+        for (int64_t k = c0 - start; k < 8; ++k) {
+          through +=
+              __builtin_convertvector(phis[k], Wide8) * __builtin_convertvector(sums[k], Wide8);
+        }
+        transpose8(sums);  // sums[i] = row m + i, columns start..start+8
+        for (int64_t i = 0; i < 8; ++i) {
+          const Lanes8 g = sums[i] * norm_weight[m + i];
+          store(dphi + (m + i) * N + start, &g);
+        }
+      }
+      for (int64_t i = 0; i < 8; ++i) dnorm_weight[m + i] = static_cast<float>(through[i]);
+    }
+  }
+  for (; j < width; ++j) {
+    const int64_t m = m0 + j;
+    double through = 0.0;
+    for (int64_t c = 0; c < N; ++c) {
+      const float g = S[c * width + j];
+      dphi[m * N + c] = norm_weight[m] * g;
+      through += static_cast<double>(phi[m * N + c]) * g;
+    }
+    dnorm_weight[m] = static_cast<float>(through);
+  }
+}
+
 }  // namespace mhc::cpu
