@@ -92,7 +92,10 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
   const bool split_rows = source.weight != nullptr && tiles < pool.threads();
   const int workers =
       split_rows ? pool.threads() : static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
-  std::vector<PreScratch> scratch = make_scratch<X>(config, dims, tile, workers, alpha, bias);
+  // Buffers for the tokens a tile really has: at decode sizes a whole tile's f32 staging (1 MiB,
+  // zero-filled) cost as much as the rest of the call.
+  std::vector<PreScratch> scratch =
+      make_scratch<X>(config, dims, std::min(tile, T), workers, alpha, bias);
   auto finish = [&](const float* xf, const float* P, int64_t t0, int64_t t, int worker) {
     finish_token(config, dims, source, xf, P, t0, t, scratch[static_cast<size_t>(worker)], layer_in,
                  h_pre, h_post, h_res);
