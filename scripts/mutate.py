@@ -145,15 +145,15 @@ MUTATIONS = (
             ),
             Edit(
                 VECTOR_MATH,
-                "for (int64_t k = 0; k < count; ++k) dst[k] = to_bf16(src[k]);",
-                "for (int64_t k = 0; k < count; ++k) {\n    uint32_t word;\n    std::memcpy(&word, src + k, 4);\n"
+                "for (; k < count; ++k) dst[k] = to_bf16(src[k]);",
+                "for (; k < count; ++k) {\n    uint32_t word;\n    std::memcpy(&word, src + k, 4);\n"
                 "    dst[k] = bf16{static_cast<uint16_t>(word >> 16)};\n  }",
             ),
             Edit(
                 POST,
-                "inline void put(bf16* p, double v) { *p = to_bf16(static_cast<float>(v)); }",
-                "inline void put(bf16* p, double v) {\n  const float f = static_cast<float>(v);\n  uint32_t word;\n"
-                "  std::memcpy(&word, &f, 4);\n  p->bits = static_cast<uint16_t>(word >> 16);\n}",
+                "inline void put(bf16* p, float v) { *p = to_bf16(v); }",
+                "inline void put(bf16* p, float v) {\n  uint32_t word;\n"
+                "  std::memcpy(&word, &v, 4);\n  p->bits = static_cast<uint16_t>(word >> 16);\n}",
             ),
         ),
     ),
@@ -161,15 +161,24 @@ MUTATIONS = (
         "h_res_transposed_in_kernels_and_reference",
         "out[j] sums row j of H_res instead of column j, in the kernels and in the float64 reference alike",
         (
-            Edit(POST, "const double h = hr[i * n + j];", "const double h = hr[j * n + i];", count=2),
+            Edit(POST, "acc += hr[i * n + j] * rows[i];", "acc += hr[j * n + i] * rows[i];"),
             Edit(
                 POST,
-                "acc += double{hr[i * n + j]} * scalar(x[i * D + d]);",
-                "acc += double{hr[j * n + i]} * scalar(x[i * D + d]);",
+                "acc += hr[i * n + j] * scalar(x[i * D + d]);",
+                "acc += hr[j * n + i] * scalar(x[i * D + d]);",
             ),
-            Edit(POST, "dx += double{hr[i * n + j]} * gj;", "dx += double{hr[j * n + i]} * gj;"),
-            Edit(POST, "Block& r = res[i * n + j];", "Block& r = res[j * n + i];"),
-            Edit(POST, "res_tail[i * n + j] += xi * gj;", "res_tail[j * n + i] += xi * gj;"),
+            Edit(POST, "dx += hr[i * n + j] * gs[j];", "dx += hr[j * n + i] * gs[j];"),
+            Edit(
+                POST,
+                "dx += hr[i * n + j] * scalar(g[j * D + d]);",
+                "dx += hr[j * n + i] * scalar(g[j * D + d]);",
+            ),
+            Edit(POST, "res[i * n + j] += xw * gw[j];", "res[j * n + i] += xw * gw[j];"),
+            Edit(
+                POST,
+                "res_tail[i * n + j] += xi * scalar(g[j * D + d]);",
+                "res_tail[j * n + i] += xi * scalar(g[j * D + d]);",
+            ),
             Edit(
                 REFERENCE,
                 "value += h_res[(t * n + i) * n + j] * x[(t * n + i) * D + d];",
@@ -192,15 +201,11 @@ MUTATIONS = (
         "h_res_transposed_in_post_forward",
         "post_forward alone sums row j of H_res (the backward and the reference keep column j)",
         (
+            Edit(POST, "acc += hr[i * n + j] * rows[i];", "acc += hr[j * n + i] * rows[i];"),
             Edit(
                 POST,
-                "        const double h = hr[i * n + j];\n        acc.low += h * rows[i].low;",
-                "        const double h = hr[j * n + i];\n        acc.low += h * rows[i].low;",
-            ),
-            Edit(
-                POST,
-                "acc += double{hr[i * n + j]} * scalar(x[i * D + d]);",
-                "acc += double{hr[j * n + i]} * scalar(x[i * D + d]);",
+                "acc += hr[i * n + j] * scalar(x[i * D + d]);",
+                "acc += hr[j * n + i] * scalar(x[i * D + d]);",
             ),
         ),
     ),
