@@ -131,9 +131,9 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   ThreadPool& pool = ThreadPool::instance();
   // With fewer tiles than threads (decode), each tile's sweeps are split over the threads: the
   // projection and the second sweep by rows of W, the coefficient sweep by tokens.
-  const bool split_rows = supplied.partials == nullptr && tiles < pool.threads();
-  const int workers =
-      split_rows ? pool.threads() : static_cast<int>(std::min<int64_t>(pool.threads(), chunks));
+  const int threads = pre_threads(T, M, N, pool.threads());
+  const bool split_rows = supplied.partials == nullptr && tiles < threads;
+  const int workers = split_rows ? threads : static_cast<int>(std::min<int64_t>(threads, chunks));
   // One tile: its weight-gradient sums go straight to dphi and dnorm_weight (the chunk
   // reduction below gives the same bits from a single term).
   const bool direct = tiles == 1;
@@ -249,9 +249,9 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
 
   if (split_rows) {
     TileState& s = tile_states[0];
-    const int64_t row_tasks =
-        std::min<int64_t>(ceil_div(M, kInputGradBlock), 4 * int64_t{pool.threads()});
+    // One contiguous range of rows per thread, as in project_split_rows (tiles.h).
     const int64_t row_blocks = ceil_div(M, kInputGradBlock);
+    const int64_t row_tasks = std::min<int64_t>(row_blocks, threads);
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
       const auto [first, last] = chunk_of(chunk);
       for (int64_t task = first; task < last; ++task) {

@@ -89,9 +89,9 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
   ThreadPool& pool = ThreadPool::instance();
   // With fewer tiles than threads (decode), each tile's projection is split over the threads by
   // rows of W instead, and its tokens finish in parallel.
-  const bool split_rows = source.weight != nullptr && tiles < pool.threads();
-  const int workers =
-      split_rows ? pool.threads() : static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
+  const int threads = pre_threads(T, M, dims.N, pool.threads());
+  const bool split_rows = source.weight != nullptr && tiles < threads;
+  const int workers = split_rows ? threads : static_cast<int>(std::min<int64_t>(threads, tiles));
   // Buffers for the tokens a tile really has: at decode sizes a whole tile's f32 staging (1 MiB,
   // zero-filled) cost as much as the rest of the call.
   std::vector<PreScratch> scratch =
@@ -129,8 +129,9 @@ void run_partials(const detail::Dims& dims, const X* x, const FoldedWeight& weig
   const int64_t tile = pre_tile_tokens(M);
   const int64_t tiles = ceil_div(T, tile);
   ThreadPool& pool = ThreadPool::instance();
-  const bool split_rows = tiles < pool.threads();
-  const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), tiles));
+  const int threads = pre_threads(T, M, N, pool.threads());
+  const bool split_rows = tiles < threads;
+  const int workers = static_cast<int>(std::min<int64_t>(threads, tiles));
   struct Scratch {
     std::vector<float> x, P;
   };
@@ -151,8 +152,7 @@ void run_partials(const detail::Dims& dims, const X* x, const FoldedWeight& weig
     for (int64_t t0 = 0; t0 < T; t0 += tile) {
       const int64_t tokens = std::min(tile, T - t0);
       const float* xf = project_split_rows(x + t0 * M, tokens, weight, s.x.data(), s.P.data());
-      pool.parallel_for(tokens, pool.threads(),
-                        [&](int64_t t, int) { write(xf, s.P.data(), t0, t); });
+      pool.parallel_for(tokens, threads, [&](int64_t t, int) { write(xf, s.P.data(), t0, t); });
     }
     return;
   }
