@@ -29,7 +29,7 @@ struct ProjectionSource {
 
 // Per-worker buffers of the pre operations, sized for one tile.
 struct PreScratch {
-  std::vector<float> x;         // tile of x widened to f32 (bf16 only)
+  float* x;                     // tile of x widened to f32 (bf16 only; null for f32)
   std::vector<float> P;         // [tile, N]
   std::vector<float> layer_in;  // [D] (bf16 only)
   TokenCoefficients coefficients;
@@ -39,16 +39,21 @@ template <class X>
 std::vector<PreScratch> make_scratch(const Config& config, const detail::Dims& dims, int64_t tile,
                                      int workers, const float* alpha, const float* bias) {
   constexpr bool kWiden = std::is_same_v<X, bf16>;
+  // The f32 staging persists across calls (a fresh multi-MiB buffer per call would be
+  // zero-filled page by page; see workspace()), one tile per worker.
+  thread_local std::vector<float> staging_storage;
+  const int64_t stage = kWiden ? tile * dims.M : 0;
+  float* staging = workspace(staging_storage, static_cast<size_t>(workers * stage));
   std::vector<PreScratch> scratch;
   scratch.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
     // With the rows split, worker 0's tile buffers are the shared ones.
     const bool tile_buffers = w == 0 || dims.T > tile;
-    scratch.push_back(PreScratch{
-        std::vector<float>(kWiden && tile_buffers ? static_cast<size_t>(tile * dims.M) : 0),
-        std::vector<float>(tile_buffers ? static_cast<size_t>(tile * dims.N) : 0),
-        std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
-        TokenCoefficients(config, alpha, bias)});
+    scratch.push_back(
+        PreScratch{kWiden ? staging + w * stage : nullptr,
+                   std::vector<float>(tile_buffers ? static_cast<size_t>(tile * dims.N) : 0),
+                   std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
+                   TokenCoefficients(config, alpha, bias)});
   }
   return scratch;
 }
@@ -106,7 +111,7 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
     for (int64_t t0 = 0; t0 < T; t0 += tile) {
       const int64_t tokens = std::min(tile, T - t0);
       const float* xf =
-          project_split_rows(x + t0 * M, tokens, *source.weight, shared.x.data(), shared.P.data());
+          project_split_rows(x + t0 * M, tokens, *source.weight, shared.x, shared.P.data());
       pool.parallel_for(tokens, workers,
                         [&](int64_t t, int worker) { finish(xf, shared.P.data(), t0, t, worker); });
     }
@@ -116,7 +121,7 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
     PreScratch& s = scratch[static_cast<size_t>(worker)];
     const int64_t t0 = task * tile;
     const int64_t tokens = std::min(tile, T - t0);
-    const float* xf = as_f32(x + t0 * M, tokens * M, s.x.data());
+    const float* xf = as_f32(x + t0 * M, tokens * M, s.x);
     if (source.weight != nullptr) project(xf, tokens, *source.weight, s.P.data());
     for (int64_t t = 0; t < tokens; ++t) finish(xf, s.P.data(), t0, t, worker);
   });
