@@ -94,7 +94,8 @@ INSTANTIATE_TEST_SUITE_P(MixAndDtype, Determinism,
 
 // Decode sizes: with fewer token tiles than threads the pre operations split each tile's
 // projection and second sweep over the rows of W, and with fewer than 8 tokens the kernels fold W
-// in registers; the results must be the bits of one thread's token-by-token run. n = 3 makes
+// in registers; the results must be the bits of one thread's token-by-token run (T = 1 and 8
+// split the rows, T = 70 splits the rows of two tiles, 8 threads exercise both). n = 3 makes
 // N = 15 (Sinkhorn) and 12 (permutations), so the last column vector overlaps the one before.
 class DecodeDeterminism : public testing::TestWithParam<std::tuple<int64_t, int64_t, DType>> {
  protected:
@@ -124,8 +125,7 @@ TEST_P(DecodeDeterminism, SameBitsForAnyThreadCount) {
 
 INSTANTIATE_TEST_SUITE_P(FewTokens, DecodeDeterminism,
                          testing::Combine(testing::Values(int64_t{3}, int64_t{4}),
-                                          testing::Values(int64_t{1}, int64_t{5}, int64_t{8},
-                                                          int64_t{70}),
+                                          testing::Values(int64_t{1}, int64_t{8}, int64_t{70}),
                                           testing::Values(DType::f32, DType::bf16)));
 
 // Resizing the pool between calls with jobs of many and of few tiles: new workers must not join a
