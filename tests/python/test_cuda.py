@@ -100,8 +100,7 @@ def test_kernel_path_runs_on_the_gpu(seed, dtype):
         error = relative_error(got, want)
         # dalpha included. The plain path is itself f32, so a tiny tensor that is a cancelling sum
         # (dalpha: three sums over all tokens) carries its rounding too: an absolute floor of 5e-6
-        # per element, the rule of test_kernels_vs_reference.py, far below the bound for every
-        # other tensor. (bf16: the 1e-2 bound covers it.)
+        # per element, far below the bound for every other tensor. (bf16: the 1e-2 bound covers it.)
         want64 = np.asarray(jnp.asarray(want, jnp.float32), np.float64)
         floor = 5e-6 * np.sqrt(want64.size) / max(np.linalg.norm(want64), 1e-30) if dtype == jnp.float32 else 0.0
         assert error <= tol + floor, f"{name}: relative error {error:.3g} > {tol} (seed {seed})"

@@ -1,8 +1,10 @@
 """The kernel path (custom VJP over the C++ operations) under jit against the float64 NumPy oracle
 (numpy_reference.py): outputs and the gradients with respect to x, layer_out and every parameter,
 random cotangents. Bounds: f32 tensors (every parameter gradient, whatever the activation dtype)
-1e-5, bf16 tensors 1e-2; dalpha, three cancelling sums over all tokens, also gets an absolute
-floor of 5e-6 per element."""
+1e-5, bf16 tensors 1e-2. dalpha is three sums over all tokens whose terms can cancel far below
+their size, so a draw may miss a relative bound even with exact arithmetic on f32-rounded inputs:
+then its error must be within 32x of what rounding the inputs by one f32 unit moves the reference
+(conftest.assert_matches, the rule of the C++ tests)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import pytest
 
 import mhc.jax as mj
 import numpy_reference
-from conftest import random_params, relative_error, sublayer_values
+from conftest import assert_matches, random_params, round_by_one_unit, sublayer_values
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # Every config scalar away from its default (and from the others), so that an FFI layer that drops
@@ -51,9 +53,14 @@ def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
     got_values = sublayer_values(x, layer_out, params, config, (w_in, w_out))
     want_values = numpy_reference.values(x, layer_out, params, config, w_in, w_out)
     assert got_values["dx"].dtype == x.dtype and got_values["dlayer_out"].dtype == layer_out.dtype
+    rng = np.random.default_rng(seed)
+
+    def perturbed_dalpha():
+        inputs = (x, layer_out, params, w_in, w_out)
+        x_, lo_, params_, w_in_, w_out_ = (round_by_one_unit(rng, v) for v in inputs)
+        return numpy_reference.values(x_, lo_, params_, config, w_in_, w_out_)["dalpha"]
+
     for name, got in got_values.items():
-        want = want_values[name]
         tol = TOLERANCE[jnp.bfloat16 if got.dtype == jnp.bfloat16 else jnp.float32]
-        error = relative_error(got, want)
-        floor = 5e-6 * np.sqrt(want.size) / max(np.linalg.norm(want), 1e-30) if name == "dalpha" else 0.0
-        assert error <= tol + floor, f"{name}: relative error {error:.3g} > {tol} (seed {seed})"
+        perturbed = perturbed_dalpha if name == "dalpha" else None
+        assert_matches(name, got, want_values[name], tol, perturbed, f"(seed {seed})")
