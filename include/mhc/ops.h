@@ -85,6 +85,32 @@ MHC_API void pre_backward(const Config& config, const TensorRef& dlayer_in,
                           const TensorRef& dh_res, const TensorRef& x, const Params& params,
                           const MutableTensorRef& dx, const ParamGrads& grads);
 
+// The boundary between sublayer l and sublayer l+1 (spec: Boundary), fused: the post of l and the
+// pre of l+1 in one pass over each token tile. In a stack of sublayers the chain becomes
+//   pre_forward -> F_1 -> boundary_forward -> F_2 -> ... -> boundary_forward -> F_L -> post_forward
+//   post_backward -> F_L' -> boundary_backward -> ... -> F_1' -> pre_backward
+// with one Config for both sublayers (the same n, D and scalars) and each sublayer's parameters.
+//
+// Forward: x_next = post_forward(x, layer_out, h_post, h_res) and next = pre_forward(x_next,
+// next_params). Each tile of x_next is written once and projected while it is still in cache;
+// every output has the same bits as the two calls.
+MHC_API void boundary_forward(const Config& config, const TensorRef& x, const TensorRef& layer_out,
+                              const TensorRef& h_post, const TensorRef& h_res,
+                              const Params& next_params, const MutableTensorRef& x_next,
+                              const PreForwardOutputs& next);
+
+// Backward: pre_backward of sublayer l+1 (from its next_dlayer_in, next_dx_partial, next_dh_post,
+// next_dh_res, with x_next = post_forward(x, layer_out, h_post, h_res) recomputed per tile rather
+// than read) and post_backward of sublayer l with g = the dx_next that pre_backward forms, tile by
+// tile: dx_next is never written. Outputs: sublayer l's post gradients (as post_backward) and
+// sublayer l+1's parameter gradients (as pre_backward), the same bits as the three calls.
+MHC_API void boundary_backward(const Config& config, const TensorRef& next_dlayer_in,
+                               const TensorRef& next_dx_partial, const TensorRef& next_dh_post,
+                               const TensorRef& next_dh_res, const TensorRef& x,
+                               const TensorRef& layer_out, const TensorRef& h_post,
+                               const TensorRef& h_res, const Params& next_params,
+                               const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
+
 // Tensor parallelism: D split into config.tensor_parallel equal slices, one per device.
 //
 // Each device holds its slice of every stream, x [T, n, Dl] with Dl = D / tensor_parallel, the

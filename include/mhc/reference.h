@@ -48,6 +48,29 @@ MHC_API PreBackward pre_backward(const Config& config, const Vec& dlayer_in, con
                                  const Vec& dh_post, const Vec& dh_res, const Vec& x,
                                  const Params& params);
 
+// The boundary between sublayers l and l+1 (spec: Boundary) as the chain of operations the fused
+// kernels replace: post_forward, then pre_forward of its result; in the backward pre_backward,
+// then post_backward with g = its dx. In float64 throughout: the kernels store x_next and dx_next
+// in the activation dtype between the two halves (bf16 tests compare each half against the
+// reference on the values it saw).
+struct BoundaryForward {
+  Vec x_next;  // [T, n, D]
+  PreForward next;
+};
+MHC_API BoundaryForward boundary_forward(const Config& config, const Vec& x, const Vec& layer_out,
+                                         const Vec& h_post, const Vec& h_res,
+                                         const Params& next_params);
+
+struct BoundaryBackward {
+  PostBackward post;  // sublayer l's post gradients
+  Params next_grads;  // sublayer l+1's parameter gradients
+};
+MHC_API BoundaryBackward boundary_backward(const Config& config, const Vec& next_dlayer_in,
+                                           const Vec& next_dx_partial, const Vec& next_dh_post,
+                                           const Vec& next_dh_res, const Vec& x,
+                                           const Vec& layer_out, const Vec& h_post,
+                                           const Vec& h_res, const Params& next_params);
+
 // H_res of one token from its R residual logits (spec: Forward step 5).
 MHC_API Vec mix_matrix(const Config& config, const double* residual_logits);
 

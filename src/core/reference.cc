@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace mhc::reference {
@@ -283,6 +284,25 @@ PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& 
     }
   }
   return out;
+}
+
+BoundaryForward boundary_forward(const Config& config, const Vec& x, const Vec& layer_out,
+                                 const Vec& h_post, const Vec& h_res, const Params& next_params) {
+  BoundaryForward out;
+  out.x_next = post_forward(config, x, layer_out, h_post, h_res);
+  out.next = pre_forward(config, out.x_next, next_params);
+  return out;
+}
+
+BoundaryBackward boundary_backward(const Config& config, const Vec& next_dlayer_in,
+                                   const Vec& next_dx_partial, const Vec& next_dh_post,
+                                   const Vec& next_dh_res, const Vec& x, const Vec& layer_out,
+                                   const Vec& h_post, const Vec& h_res, const Params& next_params) {
+  const Vec x_next = post_forward(config, x, layer_out, h_post, h_res);
+  PreBackward next = pre_backward(config, next_dlayer_in, next_dx_partial, next_dh_post,
+                                  next_dh_res, x_next, next_params);
+  return BoundaryBackward{post_backward(config, next.dx, x, layer_out, h_post, h_res),
+                          std::move(next.grads)};
 }
 
 }  // namespace mhc::reference

@@ -43,12 +43,12 @@ void ArgumentChecker::tokens(const char* name, const TensorRef& view) {
   check_view(name, view, {dims_.T, dims_.n, dims_.D}, view.dtype, false);
 }
 
-void ArgumentChecker::tensor(const char* name, const TensorRef& view,
+void ArgumentChecker::tensor(const std::string& name, const TensorRef& view,
                              std::initializer_list<int64_t> expected, DType dtype) {
   check_view(name, view, std::vector<int64_t>(expected), dtype, false);
 }
 
-void ArgumentChecker::output(const char* name, const MutableTensorRef& view,
+void ArgumentChecker::output(const std::string& name, const MutableTensorRef& view,
                              std::initializer_list<int64_t> expected, DType dtype) {
   check_view(name, view, std::vector<int64_t>(expected), dtype, true);
 }
@@ -62,28 +62,29 @@ void ArgumentChecker::whole_dim(const char* split_ops) {
   }
 }
 
-void ArgumentChecker::pre_forward_outputs(const PreForwardOutputs& outputs, DType x_dtype) {
-  output("layer_in", outputs.layer_in, {dims_.T, dims_.D}, x_dtype);
-  output("h_pre", outputs.h_pre, {dims_.T, dims_.n}, DType::f32);
-  output("h_post", outputs.h_post, {dims_.T, dims_.n}, DType::f32);
-  output("h_res", outputs.h_res, {dims_.T, dims_.n, dims_.n}, DType::f32);
+void ArgumentChecker::pre_forward_outputs(const PreForwardOutputs& outputs, DType x_dtype,
+                                          const std::string& prefix) {
+  output(prefix + "layer_in", outputs.layer_in, {dims_.T, dims_.D}, x_dtype);
+  output(prefix + "h_pre", outputs.h_pre, {dims_.T, dims_.n}, DType::f32);
+  output(prefix + "h_post", outputs.h_post, {dims_.T, dims_.n}, DType::f32);
+  output(prefix + "h_res", outputs.h_res, {dims_.T, dims_.n, dims_.n}, DType::f32);
 }
 
-void ArgumentChecker::params(const Params& params) {
-  tensor("params.norm_weight", params.norm_weight, {dims_.M}, DType::f32);
-  tensor("params.phi", params.phi, {dims_.M, dims_.N}, DType::f32);
-  tensor("params.alpha", params.alpha, {3}, DType::f32);
-  tensor("params.bias", params.bias, {dims_.N}, DType::f32);
+void ArgumentChecker::params(const Params& params, const std::string& name) {
+  tensor(name + ".norm_weight", params.norm_weight, {dims_.M}, DType::f32);
+  tensor(name + ".phi", params.phi, {dims_.M, dims_.N}, DType::f32);
+  tensor(name + ".alpha", params.alpha, {3}, DType::f32);
+  tensor(name + ".bias", params.bias, {dims_.N}, DType::f32);
 }
 
-void ArgumentChecker::grads(const ParamGrads& grads) {
-  output("grads.norm_weight", grads.norm_weight, {dims_.M}, DType::f32);
-  output("grads.phi", grads.phi, {dims_.M, dims_.N}, DType::f32);
-  output("grads.alpha", grads.alpha, {3}, DType::f32);
-  output("grads.bias", grads.bias, {dims_.N}, DType::f32);
+void ArgumentChecker::grads(const ParamGrads& grads, const std::string& name) {
+  output(name + ".norm_weight", grads.norm_weight, {dims_.M}, DType::f32);
+  output(name + ".phi", grads.phi, {dims_.M, dims_.N}, DType::f32);
+  output(name + ".alpha", grads.alpha, {3}, DType::f32);
+  output(name + ".bias", grads.bias, {dims_.N}, DType::f32);
 }
 
-void ArgumentChecker::check_view(const char* name, const TensorRef& view,
+void ArgumentChecker::check_view(const std::string& name, const TensorRef& view,
                                  const std::vector<int64_t>& expected, DType dtype, bool written) {
   bool same_shape = view.rank == static_cast<int>(expected.size());
   for (size_t axis = 0; same_shape && axis < expected.size(); ++axis) {
@@ -253,6 +254,53 @@ Dims check_pre_backward_finish(const char* op, const Config& config, const Tenso
   check.params(params);
   check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
   check.grads(grads);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_boundary_forward(const char* op, const Config& config, const TensorRef& x,
+                            const TensorRef& layer_out, const TensorRef& h_post,
+                            const TensorRef& h_res, const Params& next_params,
+                            const MutableTensorRef& x_next, const PreForwardOutputs& next) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("post_forward, then pre_forward_partials and pre_forward_finish");
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("layer_out", layer_out, {d.T, d.D},
+               layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32);
+  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
+  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  check.params(next_params, "next_params");
+  check.output("x_next", x_next, {d.T, d.n, d.D}, x.dtype);
+  check.pre_forward_outputs(next, x.dtype, "next.");
+  check.finish();
+  return check.dims();
+}
+
+Dims check_boundary_backward(const char* op, const Config& config, const TensorRef& next_dlayer_in,
+                             const TensorRef& next_dx_partial, const TensorRef& next_dh_post,
+                             const TensorRef& next_dh_res, const TensorRef& x,
+                             const TensorRef& layer_out, const TensorRef& h_post,
+                             const TensorRef& h_res, const Params& next_params,
+                             const PostBackwardOutputs& outputs, const ParamGrads& next_grads) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("pre_backward_partials and pre_backward_finish, then post_backward");
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  const DType lo_dtype = layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  check.tensor("next_dlayer_in", next_dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("next_dx_partial", next_dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("next_dh_post", next_dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("next_dh_res", next_dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.tensor("layer_out", layer_out, {d.T, d.D}, lo_dtype);
+  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
+  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  check.params(next_params, "next_params");
+  check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);
+  check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
+  check.output("dh_res", outputs.dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.grads(next_grads, "next_grads");
   check.finish();
   return check.dims();
 }

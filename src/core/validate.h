@@ -34,17 +34,18 @@ class ArgumentChecker {
   // A [T, n, D] tensor of any supported dtype; sets dims().T.
   void tokens(const char* name, const TensorRef& view);
   // A tensor whose shape must equal `expected` and whose dtype must equal `dtype`.
-  void tensor(const char* name, const TensorRef& view, std::initializer_list<int64_t> expected,
-              DType dtype);
-  void output(const char* name, const MutableTensorRef& view,
+  void tensor(const std::string& name, const TensorRef& view,
+              std::initializer_list<int64_t> expected, DType dtype);
+  void output(const std::string& name, const MutableTensorRef& view,
               std::initializer_list<int64_t> expected, DType dtype);
   // For the fused pre operations, which need every feature of a token: tensor_parallel == 1.
   void whole_dim(const char* split_ops);
   // layer_in [T, D] in x's dtype and the f32 coefficients, as both pre_forward and
-  // pre_forward_finish write them.
-  void pre_forward_outputs(const PreForwardOutputs& outputs, DType x_dtype);
-  void params(const Params& params);
-  void grads(const ParamGrads& grads);
+  // pre_forward_finish write them. `prefix` names the argument in messages ("next.layer_in").
+  void pre_forward_outputs(const PreForwardOutputs& outputs, DType x_dtype,
+                           const std::string& prefix = "");
+  void params(const Params& params, const std::string& name = "params");
+  void grads(const ParamGrads& grads, const std::string& name = "grads");
   void finish() const;
 
   const Dims& dims() const { return dims_; }
@@ -56,8 +57,8 @@ class ArgumentChecker {
     uintptr_t end;
     bool written;
   };
-  void check_view(const char* name, const TensorRef& view, const std::vector<int64_t>& expected,
-                  DType dtype, bool written);
+  void check_view(const std::string& name, const TensorRef& view,
+                  const std::vector<int64_t>& expected, DType dtype, bool written);
 
   const char* op_;
   int64_t tensor_parallel_;
@@ -92,5 +93,15 @@ Dims check_pre_backward_finish(const char* op, const Config& config, const Tenso
                                const TensorRef& dh_post, const TensorRef& dh_res,
                                const TensorRef& x, const TensorRef& partials, const Params& params,
                                const MutableTensorRef& dx, const ParamGrads& grads);
+Dims check_boundary_forward(const char* op, const Config& config, const TensorRef& x,
+                            const TensorRef& layer_out, const TensorRef& h_post,
+                            const TensorRef& h_res, const Params& next_params,
+                            const MutableTensorRef& x_next, const PreForwardOutputs& next);
+Dims check_boundary_backward(const char* op, const Config& config, const TensorRef& next_dlayer_in,
+                             const TensorRef& next_dx_partial, const TensorRef& next_dh_post,
+                             const TensorRef& next_dh_res, const TensorRef& x,
+                             const TensorRef& layer_out, const TensorRef& h_post,
+                             const TensorRef& h_res, const Params& next_params,
+                             const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
 
 }  // namespace mhc::detail

@@ -71,6 +71,26 @@ void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
                            grads);
 }
 
+void boundary_forward(const Config& config, const TensorRef& x, const TensorRef& layer_out,
+                      const TensorRef& h_post, const TensorRef& h_res, const Params& next_params,
+                      const MutableTensorRef& x_next, const PreForwardOutputs& next) {
+  const detail::Dims d = detail::check_boundary_forward(
+      "mhc::boundary_forward", config, x, layer_out, h_post, h_res, next_params, x_next, next);
+  cpu::boundary_forward(config, d, x, layer_out, h_post, h_res, next_params, x_next, next);
+}
+
+void boundary_backward(const Config& config, const TensorRef& next_dlayer_in,
+                       const TensorRef& next_dx_partial, const TensorRef& next_dh_post,
+                       const TensorRef& next_dh_res, const TensorRef& x, const TensorRef& layer_out,
+                       const TensorRef& h_post, const TensorRef& h_res, const Params& next_params,
+                       const PostBackwardOutputs& outputs, const ParamGrads& next_grads) {
+  const detail::Dims d = detail::check_boundary_backward(
+      "mhc::boundary_backward", config, next_dlayer_in, next_dx_partial, next_dh_post, next_dh_res,
+      x, layer_out, h_post, h_res, next_params, outputs, next_grads);
+  cpu::boundary_backward(config, d, next_dlayer_in, next_dx_partial, next_dh_post, next_dh_res, x,
+                         layer_out, h_post, h_res, next_params, outputs, next_grads);
+}
+
 void set_num_threads(int threads) { cpu::ThreadPool::instance().set_threads(threads); }
 
 int num_threads() { return cpu::ThreadPool::instance().threads(); }

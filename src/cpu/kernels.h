@@ -59,4 +59,16 @@ void pre_backward(const Config& config, const detail::Dims& dims, const TensorRe
                   const TensorRef& x, const Params& params, const MutableTensorRef& dx,
                   const ParamGrads& grads);
 
+// The fused boundary (mhc/ops.h).
+void boundary_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                      const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                      const Params& next_params, const MutableTensorRef& x_next,
+                      const PreForwardOutputs& next);
+void boundary_backward(const Config& config, const detail::Dims& dims,
+                       const TensorRef& next_dlayer_in, const TensorRef& next_dx_partial,
+                       const TensorRef& next_dh_post, const TensorRef& next_dh_res,
+                       const TensorRef& x, const TensorRef& layer_out, const TensorRef& h_post,
+                       const TensorRef& h_res, const Params& next_params,
+                       const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
+
 }  // namespace mhc::cpu

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "kernels.h"
+#include "post_tokens.h"
 #include "simd.h"
 #include "thread_pool.h"
 #include "tiles.h"
@@ -136,8 +137,10 @@ MHC_INLINE void with_streams(int64_t n, Body body) {
   return body(std::integral_constant<int, 0>{});
 }
 
+}  // namespace
+
 // target_clones applies to plain functions, not templates: one overloaded pair per dtype pair,
-// with the token bodies inlined into each clone.
+// with the token bodies inlined into each clone (declared in post_tokens.h).
 // NOLINTBEGIN(bugprone-macro-parentheses): X and L are types, which parentheses would break.
 #define MHC_POST_TOKENS(X, L)                                                                      \
   MHC_CLONES void post_forward_tokens(const X* x, const L* lo, const float* hp, const float* hr,   \
@@ -173,6 +176,8 @@ MHC_POST_TOKENS(bf16, float)
 MHC_POST_TOKENS(bf16, bf16)
 #undef MHC_POST_TOKENS
 // NOLINTEND(bugprone-macro-parentheses)
+
+namespace {
 
 // Runs body(begin, end) over the tokens in tasks of post_tile_tokens(M) on the pool.
 template <class Body>

@@ -18,6 +18,7 @@
 
 #include "coefficients.h"
 #include "kernels.h"
+#include "post_tokens.h"
 #include "projection.h"
 #include "thread_pool.h"
 #include "tiles.h"
@@ -104,10 +105,25 @@ TileState make_tile_state(const detail::Dims& dims, int64_t tile, float* staging
                    std::vector<double>(static_cast<size_t>(tile * (3 + dims.N)))};
 }
 
+// Where the tiles of x come from and where their dx goes, for tile state `state`: x read from
+// memory and dx written to memory (the operations), or, for the fused boundary, x recomputed by the
+// previous sublayer's post and dx handed to its post_backward (BoundaryTiles).
 template <class X>
+struct MemoryTiles {
+  const X* x;
+  X* dx;
+  int64_t M;
+  void prepare(int64_t /*tile*/, int /*states*/) {}
+  const X* x_tile(int64_t t0, int64_t /*tokens*/, int /*state*/) const { return x + t0 * M; }
+  X* dx_tile(int64_t t0, int /*state*/) const { return dx + t0 * M; }
+  // Tokens [t0 + begin, t0 + end) of dx are complete.
+  void consume(int64_t /*t0*/, int64_t /*begin*/, int64_t /*end*/, int /*state*/) const {}
+};
+
+template <class X, class TileIO>
 void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, const X* dx_partial,
-         const float* dh_post, const float* dh_res, const X* x, Supplied supplied,
-         const Params& params, X* dx, const ParamGrads& grads) {
+         const float* dh_post, const float* dh_res, TileIO& io, Supplied supplied,
+         const Params& params, const ParamGrads& grads) {
   const int64_t T = dims.T, n = dims.n, D = dims.D, M = dims.M, N = dims.N;
   const auto* norm_weight = static_cast<const float*>(params.norm_weight.data);
   const auto* phi = static_cast<const float*>(params.phi.data);
@@ -150,6 +166,7 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   // f32 staging of a tile of x, dlayer_in and dx per tile state (bf16 only), reused across calls.
   constexpr bool kWiden = std::is_same_v<X, bf16>;
   const int tile_state_count = split_rows ? 1 : workers;
+  io.prepare(tile, tile_state_count);
   thread_local std::vector<float> staging_storage;
   const int64_t stage = kWiden ? tile * (2 * M + D) : 0;
   float* staging = workspace(staging_storage, static_cast<size_t>(tile_state_count * stage));
@@ -207,9 +224,9 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   // The second sweep over rows [m_begin, m_end) of the tile from t0 (m_begin a multiple of
   // kInputGradBlock): dx = dx_partial + H_pre dli - rms_term x + dP W^T, and the weight gradient
   // of those rows, added to the chunk's G (or finished into dphi, dnorm_weight when direct).
-  auto second_sweep = [&](TileState& s, const float* xf, const float* dli, int64_t t0,
+  auto second_sweep = [&](TileState& s, const float* xf, const float* dli, X* dx, int64_t t0,
                           int64_t tokens, int64_t chunk, int64_t m_begin, int64_t m_end) {
-    float* dxf = f32_target(dx + t0 * M, s.dx);
+    float* dxf = f32_target(dx, s.dx);
     for (int64_t t = 0; t < tokens; ++t) {
       float* dxt = dxf + t * M;
       const X* partial = dx_partial + (t0 + t) * M;
@@ -237,7 +254,7 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       }
     }
     for (int64_t t = 0; t < tokens; ++t) {
-      store_from(dxf + t * M + m_begin, dx + (t0 + t) * M + m_begin, m_end - m_begin);
+      store_from(dxf + t * M + m_begin, dx + t * M + m_begin, m_end - m_begin);
     }
   };
 
@@ -257,7 +274,8 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       for (int64_t task = first; task < last; ++task) {
         const int64_t t0 = task * tile;
         const int64_t tokens = std::min(tile, T - t0);
-        const float* xf = project_split_rows(x + t0 * M, tokens, weight, s.x, s.P.data());
+        const float* xf =
+            project_split_rows(io.x_tile(t0, tokens, 0), tokens, weight, s.x, s.P.data());
         const float* dli = s.dlayer_in;
         if constexpr (std::is_same_v<X, float>) dli = dlayer_in + t0 * D;
         pool.parallel_for(tokens, workers, [&](int64_t t, int worker) {
@@ -270,8 +288,9 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
         pool.parallel_for(row_tasks, workers, [&](int64_t range, int) {
           const int64_t m_begin = range * row_blocks / row_tasks * kInputGradBlock;
           const int64_t m_end = std::min(M, (range + 1) * row_blocks / row_tasks * kInputGradBlock);
-          second_sweep(s, xf, dli, t0, tokens, chunk, m_begin, m_end);
+          second_sweep(s, xf, dli, io.dx_tile(t0, 0), t0, tokens, chunk, m_begin, m_end);
         });
+        pool.parallel_for(tokens, workers, [&](int64_t t, int) { io.consume(t0, t, t + 1, 0); });
       }
     }
   } else {
@@ -282,12 +301,13 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
       for (int64_t task = first; task < last; ++task) {
         const int64_t t0 = task * tile;
         const int64_t tokens = std::min(tile, T - t0);
-        const float* xf = as_f32(x + t0 * M, tokens * M, s.x);
+        const float* xf = as_f32(io.x_tile(t0, tokens, worker), tokens * M, s.x);
         const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in);
         if (supplied.partials == nullptr) project(xf, tokens, weight, s.P.data());
         for (int64_t t = 0; t < tokens; ++t) coefficient_token(s, ws, xf, dli, t0, t);
         add_token_sums(s, tokens, chunk);
-        second_sweep(s, xf, dli, t0, tokens, chunk, 0, M);
+        second_sweep(s, xf, dli, io.dx_tile(t0, worker), t0, tokens, chunk, 0, M);
+        io.consume(t0, 0, tokens, worker);
       }
     });
   }
@@ -351,11 +371,49 @@ void run_any(const Config& config, const detail::Dims& dims, const TensorRef& dl
              const MutableTensorRef& dx, const ParamGrads& grads) {
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
+    MemoryTiles<X> io{static_cast<const X*>(x.data), static_cast<X*>(dx.data), dims.M};
     run(config, dims, static_cast<const X*>(dlayer_in.data), static_cast<const X*>(dx_partial.data),
-        static_cast<const float*>(dh_post.data), static_cast<const float*>(dh_res.data),
-        static_cast<const X*>(x.data), supplied, params, static_cast<X*>(dx.data), grads);
+        static_cast<const float*>(dh_post.data), static_cast<const float*>(dh_res.data), io,
+        supplied, params, grads);
   });
 }
+
+// The fused boundary's tiles: x_next recomputed from x and layer_out by the post forward into a
+// staging tile, and dx_next staged per tile and consumed by the post backward, so neither is
+// written to or read from memory. Same bits as pre_backward then post_backward: the staged tiles
+// hold exactly what those operations would store (rounded to X) and read back.
+template <class X, class L>
+struct BoundaryTiles {
+  const X* x;  // x of the post (sublayer l), [T, n, D]
+  const L* layer_out;
+  const float* h_post;
+  const float* h_res;
+  PostBackwardOutputs outputs;
+  int64_t n, D, M;
+  X* staging = nullptr;  // per tile state: x_next, then dx_next, tile x M each
+  int64_t tile = 0;
+
+  void prepare(int64_t tile_tokens, int states) {
+    thread_local std::vector<X> storage;
+    tile = tile_tokens;
+    staging = workspace(storage, static_cast<size_t>(2 * states * tile * M));
+  }
+  const X* x_tile(int64_t t0, int64_t tokens, int state) const {
+    X* x_next = staging + 2 * state * tile * M;
+    post_forward_tokens(x + t0 * M, layer_out + t0 * D, h_post + t0 * n, h_res + t0 * n * n, n, D,
+                        0, tokens, x_next);
+    return x_next;
+  }
+  X* dx_tile(int64_t /*t0*/, int state) const { return staging + (2 * state + 1) * tile * M; }
+  void consume(int64_t t0, int64_t begin, int64_t end, int state) const {
+    post_backward_tokens(dx_tile(t0, state), x + t0 * M, layer_out + t0 * D, h_post + t0 * n,
+                         h_res + t0 * n * n, n, D, begin, end,
+                         static_cast<X*>(outputs.dx_partial.data) + t0 * M,
+                         static_cast<L*>(outputs.dlayer_out.data) + t0 * D,
+                         static_cast<float*>(outputs.dh_post.data) + t0 * n,
+                         static_cast<float*>(outputs.dh_res.data) + t0 * n * n);
+  }
+};
 
 }  // namespace
 
@@ -382,6 +440,31 @@ void pre_backward_finish(const Config& config, const detail::Dims& dims, const T
                          const ParamGrads& grads) {
   run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x, Supplied{partials, dh_pre},
           params, dx, grads);
+}
+
+void boundary_backward(const Config& config, const detail::Dims& dims,
+                       const TensorRef& next_dlayer_in, const TensorRef& next_dx_partial,
+                       const TensorRef& next_dh_post, const TensorRef& next_dh_res,
+                       const TensorRef& x, const TensorRef& layer_out, const TensorRef& h_post,
+                       const TensorRef& h_res, const Params& next_params,
+                       const PostBackwardOutputs& outputs, const ParamGrads& next_grads) {
+  with_activation_type(x.dtype, [&](auto x_tag) {
+    using X = decltype(x_tag);
+    with_activation_type(layer_out.dtype, [&](auto lo_tag) {
+      using L = decltype(lo_tag);
+      BoundaryTiles<X, L> io{static_cast<const X*>(x.data),
+                             static_cast<const L*>(layer_out.data),
+                             static_cast<const float*>(h_post.data),
+                             static_cast<const float*>(h_res.data),
+                             outputs,
+                             dims.n,
+                             dims.D,
+                             dims.M};
+      run(config, dims, static_cast<const X*>(next_dlayer_in.data),
+          static_cast<const X*>(next_dx_partial.data), static_cast<const float*>(next_dh_post.data),
+          static_cast<const float*>(next_dh_res.data), io, Supplied{}, next_params, next_grads);
+    });
+  });
 }
 
 }  // namespace mhc::cpu

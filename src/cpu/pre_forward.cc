@@ -12,6 +12,7 @@
 
 #include "coefficients.h"
 #include "kernels.h"
+#include "post_tokens.h"
 #include "projection.h"
 #include "thread_pool.h"
 #include "tiles.h"
@@ -83,10 +84,17 @@ void finish_token(const Config& config, const detail::Dims& dims, ProjectionSour
   store_from(li, layer_in + token * D, D);
 }
 
-template <class X>
+// What happens to a tile of x before it is read: nothing (pre_forward reads x from memory), or,
+// for the fused boundary, the previous sublayer's post writes it (tokens [begin, end) of x_next),
+// so that the projection reads it back from cache.
+struct ReadFromMemory {
+  void operator()(int64_t, int64_t) const {}
+};
+
+template <class X, class Produce = ReadFromMemory>
 void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionSource source,
          const float* alpha, const float* bias, X* layer_in, float* h_pre, float* h_post,
-         float* h_res) {
+         float* h_res, Produce produce = {}) {
   const int64_t T = dims.T, M = dims.M;
   if (T == 0) return;
   const int64_t tile = pre_tile_tokens(M);
@@ -110,6 +118,7 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
     PreScratch& shared = scratch[0];
     for (int64_t t0 = 0; t0 < T; t0 += tile) {
       const int64_t tokens = std::min(tile, T - t0);
+      produce(t0, t0 + tokens);
       const float* xf =
           project_split_rows(x + t0 * M, tokens, *source.weight, shared.x, shared.P.data());
       pool.parallel_for(tokens, workers,
@@ -121,6 +130,7 @@ void run(const Config& config, const detail::Dims& dims, const X* x, ProjectionS
     PreScratch& s = scratch[static_cast<size_t>(worker)];
     const int64_t t0 = task * tile;
     const int64_t tokens = std::min(tile, T - t0);
+    produce(t0, t0 + tokens);
     const float* xf = as_f32(x + t0 * M, tokens * M, s.x);
     if (source.weight != nullptr) project(xf, tokens, *source.weight, s.P.data());
     for (int64_t t = 0; t < tokens; ++t) finish(xf, s.P.data(), t0, t, worker);
@@ -209,6 +219,33 @@ void pre_forward_finish(const Config& config, const detail::Dims& dims, const Te
                         const float* partials, const float* alpha, const float* bias,
                         const PreForwardOutputs& outputs) {
   run_any(config, dims, x, ProjectionSource{nullptr, partials}, alpha, bias, outputs);
+}
+
+void boundary_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                      const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                      const Params& next_params, const MutableTensorRef& x_next,
+                      const PreForwardOutputs& next) {
+  if (dims.T == 0) return;
+  const FoldedWeight weight{static_cast<const float*>(next_params.norm_weight.data),
+                            static_cast<const float*>(next_params.phi.data), dims.M, dims.N};
+  const auto* hp = static_cast<const float*>(h_post.data);
+  const auto* hr = static_cast<const float*>(h_res.data);
+  with_activation_type(x.dtype, [&](auto x_tag) {
+    using X = decltype(x_tag);
+    auto* streams = static_cast<X*>(x_next.data);
+    with_activation_type(layer_out.dtype, [&](auto lo_tag) {
+      using L = decltype(lo_tag);
+      auto post = [&](int64_t begin, int64_t end) {
+        post_forward_tokens(static_cast<const X*>(x.data), static_cast<const L*>(layer_out.data),
+                            hp, hr, dims.n, dims.D, begin, end, streams);
+      };
+      run(config, dims, static_cast<const X*>(streams), ProjectionSource{&weight, nullptr},
+          static_cast<const float*>(next_params.alpha.data),
+          static_cast<const float*>(next_params.bias.data), static_cast<X*>(next.layer_in.data),
+          static_cast<float*>(next.h_pre.data), static_cast<float*>(next.h_post.data),
+          static_cast<float*>(next.h_res.data), post);
+    });
+  });
 }
 
 }  // namespace mhc::cpu

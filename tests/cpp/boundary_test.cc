@@ -1,0 +1,315 @@
+// The fused boundary (mhc/ops.h: boundary_forward, boundary_backward) against what it replaces:
+// - the separate operations (post_forward then pre_forward; pre_backward then post_backward),
+//   to the bit, at 1 and at 3 threads;
+// - the float64 reference (spec: Accuracy), each half against the reference of the values it saw,
+//   as WholeSublayerVsReference does: the pre half sees x_next as the kernel stored it, the post
+//   backward sees dx_next as pre_backward stores it (a bf16 intermediate is rounded, which a
+//   reference of the unrounded chain would count as an error). f32 cases are also held to the
+//   unrounded float64 chain (reference::boundary_forward, boundary_backward).
+// Outputs are poisoned with NaN before each call; the two sublayers have different parameters,
+// and h_post, h_res of sublayer l come from a real pre_forward (non-trivial coefficients).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "test_util.h"
+
+namespace mhc::test {
+namespace {
+
+struct BoundaryCase {
+  int64_t n, D, T;
+  Mix mix;
+  DType x_dtype, layer_out_dtype;
+};
+
+std::string boundary_case_name(const testing::TestParamInfo<BoundaryCase>& info) {
+  const BoundaryCase& c = info.param;
+  return std::string(to_string(c.mix)) + "_n" + std::to_string(c.n) + "_D" + std::to_string(c.D) +
+         "_T" + std::to_string(c.T) + "_" + to_string(c.x_dtype) + "_" +
+         to_string(c.layer_out_dtype);
+}
+
+std::vector<BoundaryCase> boundary_cases() {
+  std::vector<BoundaryCase> cases;
+  for (Mix mix : {Mix::sinkhorn, Mix::permutations}) {
+    for (int64_t n : {1, 3, 4, 8}) {
+      if (mix == Mix::permutations && n > kMaxPermutationStreams) continue;
+      for (int64_t D : {1, 33, 130}) {
+        for (int64_t T : {0, 1, 37}) {
+          for (DType dtype : {DType::f32, DType::bf16})
+            cases.push_back({n, D, T, mix, dtype, dtype});
+        }
+      }
+    }
+  }
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    // D = 4096: the projection's blocks and the decode split (fewer tiles than threads).
+    cases.push_back({4, 4096, 1, Mix::sinkhorn, dtype, dtype});
+    cases.push_back({4, 4096, 37, Mix::sinkhorn, dtype, dtype});
+    cases.push_back({3, 4096, 37, Mix::permutations, dtype, dtype});
+    cases.push_back({8, 4096, 1, Mix::sinkhorn, dtype, dtype});
+    // T = 4096: many tiles and chunks.
+    cases.push_back({4, 130, 4096, Mix::sinkhorn, dtype, dtype});
+    cases.push_back({1, 33, 4096, Mix::sinkhorn, dtype, dtype});
+    cases.push_back({3, 1, 4096, Mix::permutations, dtype, dtype});
+  }
+  cases.push_back({4, 130, 37, Mix::sinkhorn, DType::f32, DType::bf16});
+  cases.push_back({4, 130, 37, Mix::sinkhorn, DType::bf16, DType::f32});
+  return cases;
+}
+
+bool same_bits(const HostTensor& a, const HostTensor& b) {
+  return a.bytes() == b.bytes() && std::memcmp(a.data(), b.data(), a.bytes()) == 0;
+}
+
+class BoundaryVsSeparate : public testing::TestWithParam<BoundaryCase> {
+ protected:
+  void SetUp() override {
+    const BoundaryCase& c = GetParam();
+    config.n = c.n;
+    config.dim = c.D;
+    config.mix = c.mix;
+    T = c.T;
+    seed = fresh_seed();
+    rng.seed(seed);
+    params = random_params(rng, config);
+    next_params = random_params(rng, config);
+  }
+  void TearDown() override { set_num_threads(0); }
+
+  HostTensor activation(DType dtype, std::vector<int64_t> shape) {
+    int64_t count = 1;
+    for (int64_t e : shape) count *= e;
+    return HostTensor::from(dtype, std::move(shape), random_normal(rng, count));
+  }
+  std::string context() const {
+    return describe(config, T, GetParam().x_dtype) + ", seed " + std::to_string(seed);
+  }
+  void expect_close(const std::string& name, const HostTensor& got, const Vec& want,
+                    const std::function<Vec()>& resample) {
+    expect_matches(name, got.dtype(), got.to_double(), want,
+                   ill_conditioned(name, want.size(), T, GetParam().D) ? resample : nullptr,
+                   context());
+  }
+  Vec perturb(const Vec& values) { return perturb_f32(rng, values); }
+  reference::Params perturb(const reference::Params& p) { return perturb_f32(rng, p); }
+
+  Config config;
+  int64_t T = 0;
+  uint64_t seed = 0;
+  std::mt19937_64 rng;
+  reference::Params params, next_params;
+};
+
+TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
+  const BoundaryCase& c = GetParam();
+  const int64_t n = c.n, D = c.D;
+  const DType xd = c.x_dtype, lod = c.layer_out_dtype;
+  // Sublayer l: x, its coefficients from pre_forward, a random layer_out.
+  HostTensor x = activation(xd, {T, n, D});
+  HostParams host_params(config, params), host_next(config, next_params);
+  HostTensor layer_in(xd, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
+      h_res(DType::f32, {T, n, n});
+  pre_forward(config, x.ref(), host_params.view(),
+              PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
+  HostTensor layer_out = activation(lod, {T, D});
+
+  // Forward, separate: post_forward, then pre_forward of sublayer l+1.
+  HostTensor sep_x_next(xd, {T, n, D}), sep_li(xd, {T, D}), sep_hpre(DType::f32, {T, n}),
+      sep_hpost(DType::f32, {T, n}), sep_hres(DType::f32, {T, n, n});
+  post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), sep_x_next.mut());
+  pre_forward(config, sep_x_next.ref(), host_next.view(),
+              PreForwardOutputs{sep_li.mut(), sep_hpre.mut(), sep_hpost.mut(), sep_hres.mut()});
+
+  // Backward inputs of sublayer l+1's pre: random cotangents.
+  HostTensor next_dli = activation(xd, {T, D}), next_dxp = activation(xd, {T, n, D}),
+             next_dhp = activation(DType::f32, {T, n}),
+             next_dhr = activation(DType::f32, {T, n, n});
+  // Backward, separate: pre_backward of l+1, then post_backward of l with g = its dx.
+  HostTensor sep_dx_next(xd, {T, n, D}), sep_dxp(xd, {T, n, D}), sep_dlo(lod, {T, D}),
+      sep_dhp(DType::f32, {T, n}), sep_dhr(DType::f32, {T, n, n});
+  HostGrads sep_grads(config);
+  pre_backward(config, next_dli.ref(), next_dxp.ref(), next_dhp.ref(), next_dhr.ref(),
+               sep_x_next.ref(), host_next.view(), sep_dx_next.mut(), sep_grads.view());
+  post_backward(config, sep_dx_next.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
+                PostBackwardOutputs{sep_dxp.mut(), sep_dlo.mut(), sep_dhp.mut(), sep_dhr.mut()});
+
+  for (int threads : {1, 3}) {
+    set_num_threads(threads);
+    SCOPED_TRACE(context() + ", " + std::to_string(threads) + " threads");
+    HostTensor x_next(xd, {T, n, D}), li(xd, {T, D}), hpre(DType::f32, {T, n}),
+        hpost(DType::f32, {T, n}), hres(DType::f32, {T, n, n});
+    for (HostTensor* out : {&x_next, &li, &hpre, &hpost, &hres}) out->poison();
+    boundary_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), host_next.view(),
+                     x_next.mut(),
+                     PreForwardOutputs{li.mut(), hpre.mut(), hpost.mut(), hres.mut()});
+    EXPECT_TRUE(same_bits(x_next, sep_x_next)) << "x_next";
+    EXPECT_TRUE(same_bits(li, sep_li)) << "next.layer_in";
+    EXPECT_TRUE(same_bits(hpre, sep_hpre)) << "next.h_pre";
+    EXPECT_TRUE(same_bits(hpost, sep_hpost)) << "next.h_post";
+    EXPECT_TRUE(same_bits(hres, sep_hres)) << "next.h_res";
+
+    HostTensor dxp(xd, {T, n, D}), dlo(lod, {T, D}), dhp(DType::f32, {T, n}),
+        dhr(DType::f32, {T, n, n});
+    HostGrads grads(config);
+    for (HostTensor* out : {&dxp, &dlo, &dhp, &dhr}) out->poison();
+    grads.poison();
+    boundary_backward(config, next_dli.ref(), next_dxp.ref(), next_dhp.ref(), next_dhr.ref(),
+                      x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), host_next.view(),
+                      PostBackwardOutputs{dxp.mut(), dlo.mut(), dhp.mut(), dhr.mut()},
+                      grads.view());
+    EXPECT_TRUE(same_bits(dxp, sep_dxp)) << "dx_partial";
+    EXPECT_TRUE(same_bits(dlo, sep_dlo)) << "dlayer_out";
+    EXPECT_TRUE(same_bits(dhp, sep_dhp)) << "dh_post";
+    EXPECT_TRUE(same_bits(dhr, sep_dhr)) << "dh_res";
+    EXPECT_TRUE(same_bits(grads.norm_weight, sep_grads.norm_weight)) << "next_grads.norm_weight";
+    EXPECT_TRUE(same_bits(grads.phi, sep_grads.phi)) << "next_grads.phi";
+    EXPECT_TRUE(same_bits(grads.alpha, sep_grads.alpha)) << "next_grads.alpha";
+    EXPECT_TRUE(same_bits(grads.bias, sep_grads.bias)) << "next_grads.bias";
+  }
+
+  // Against float64, each half on the values it saw (the fused outputs equal these bit for bit).
+  const Vec xv = x.to_double(), lov = layer_out.to_double(), hpv = h_post.to_double(),
+            hrv = h_res.to_double();
+  expect_close("x_next", sep_x_next, reference::post_forward(config, xv, lov, hpv, hrv), [&] {
+    return reference::post_forward(config, perturb(xv), perturb(lov), perturb(hpv), perturb(hrv));
+  });
+  const Vec x_next_seen = sep_x_next.to_double();
+  const reference::PreForward next = reference::pre_forward(config, x_next_seen, next_params);
+  auto rerun_pre = [&] {
+    return reference::pre_forward(config, perturb(x_next_seen), perturb(next_params));
+  };
+  expect_close("layer_in", sep_li, next.layer_in, [&] { return rerun_pre().layer_in; });
+  expect_close("h_pre", sep_hpre, next.h_pre, [&] { return rerun_pre().h_pre; });
+  expect_close("h_post", sep_hpost, next.h_post, [&] { return rerun_pre().h_post; });
+  expect_close("h_res", sep_hres, next.h_res, [&] { return rerun_pre().h_res; });
+
+  const Vec dli = next_dli.to_double(), dxpv = next_dxp.to_double(), dhpv = next_dhp.to_double(),
+            dhrv = next_dhr.to_double();
+  const reference::PreBackward next_back =
+      reference::pre_backward(config, dli, dxpv, dhpv, dhrv, x_next_seen, next_params);
+  auto rerun_pre_back = [&] {
+    return reference::pre_backward(config, perturb(dli), perturb(dxpv), perturb(dhpv),
+                                   perturb(dhrv), perturb(x_next_seen), perturb(next_params));
+  };
+  expect_close("dx_next", sep_dx_next, next_back.dx, [&] { return rerun_pre_back().dx; });
+  expect_close("dnorm_weight", sep_grads.norm_weight, next_back.grads.norm_weight,
+               [&] { return rerun_pre_back().grads.norm_weight; });
+  expect_close("dphi", sep_grads.phi, next_back.grads.phi,
+               [&] { return rerun_pre_back().grads.phi; });
+  expect_close("dalpha", sep_grads.alpha, next_back.grads.alpha,
+               [&] { return rerun_pre_back().grads.alpha; });
+  expect_close("dbias", sep_grads.bias, next_back.grads.bias,
+               [&] { return rerun_pre_back().grads.bias; });
+  const Vec g_seen = sep_dx_next.to_double();
+  const reference::PostBackward post_back =
+      reference::post_backward(config, g_seen, xv, lov, hpv, hrv);
+  auto rerun_post_back = [&] {
+    return reference::post_backward(config, perturb(g_seen), perturb(xv), perturb(lov),
+                                    perturb(hpv), perturb(hrv));
+  };
+  expect_close("dx_partial", sep_dxp, post_back.dx_partial,
+               [&] { return rerun_post_back().dx_partial; });
+  expect_close("dlayer_out", sep_dlo, post_back.dlayer_out,
+               [&] { return rerun_post_back().dlayer_out; });
+  expect_close("dh_post", sep_dhp, post_back.dh_post, [&] { return rerun_post_back().dh_post; });
+  expect_close("dh_res", sep_dhr, post_back.dh_res, [&] { return rerun_post_back().dh_res; });
+
+  if (xd == DType::f32 && lod == DType::f32) {
+    // The unrounded float64 chain: x_next and dx_next never leave float64.
+    const reference::BoundaryForward chain =
+        reference::boundary_forward(config, xv, lov, hpv, hrv, next_params);
+    auto rerun_chain = [&] {
+      return reference::boundary_forward(config, perturb(xv), perturb(lov), perturb(hpv),
+                                         perturb(hrv), perturb(next_params));
+    };
+    expect_close("layer_in", sep_li, chain.next.layer_in,
+                 [&] { return rerun_chain().next.layer_in; });
+    expect_close("h_res", sep_hres, chain.next.h_res, [&] { return rerun_chain().next.h_res; });
+    const reference::BoundaryBackward back =
+        reference::boundary_backward(config, dli, dxpv, dhpv, dhrv, xv, lov, hpv, hrv, next_params);
+    auto rerun_back = [&] {
+      return reference::boundary_backward(config, perturb(dli), perturb(dxpv), perturb(dhpv),
+                                          perturb(dhrv), perturb(xv), perturb(lov), perturb(hpv),
+                                          perturb(hrv), perturb(next_params));
+    };
+    expect_close("dx_partial", sep_dxp, back.post.dx_partial,
+                 [&] { return rerun_back().post.dx_partial; });
+    expect_close("dh_res", sep_dhr, back.post.dh_res, [&] { return rerun_back().post.dh_res; });
+    expect_close("dphi", sep_grads.phi, back.next_grads.phi,
+                 [&] { return rerun_back().next_grads.phi; });
+    expect_close("dalpha", sep_grads.alpha, back.next_grads.alpha,
+                 [&] { return rerun_back().next_grads.alpha; });
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cpu, BoundaryVsSeparate, testing::ValuesIn(boundary_cases()),
+                         boundary_case_name);
+
+// Bad arguments are named, with the boundary's own argument names.
+TEST(BoundaryErrors, NamesTheArgument) {
+  Config config;
+  config.n = 4;
+  config.dim = 8;
+  const int64_t T = 3, n = 4, D = 8;
+  std::mt19937_64 rng(1);
+  const reference::Params values = random_params(rng, config);
+  HostParams next(config, values);
+  HostTensor x(DType::f32, {T, n, D}), layer_out(DType::f32, {T, D}), h_post(DType::f32, {T, n}),
+      h_res(DType::f32, {T, n, n}), x_next(DType::f32, {T, n, D}), li(DType::f32, {T, D}),
+      hpre(DType::f32, {T, n}), hpost(DType::f32, {T, n}), hres(DType::f32, {T, n, n});
+  auto forward = [&](const Config& cfg, const Params& p, MutableTensorRef out) {
+    boundary_forward(cfg, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), p, out,
+                     PreForwardOutputs{li.mut(), hpre.mut(), hpost.mut(), hres.mut()});
+  };
+  Params bad_phi = next.view();
+  bad_phi.phi.shape[1] -= 1;
+  expect_error([&] { forward(config, bad_phi, x_next.mut()); }, "mhc::boundary_forward",
+               "next_params.phi", "expected shape");
+  MutableTensorRef aliased = x_next.mut();
+  aliased.data = const_cast<void*>(x.data());
+  expect_error([&] { forward(config, next.view(), aliased); }, "mhc::boundary_forward", "x_next",
+               "overlaps x");
+  Config split = config;
+  split.tensor_parallel = 2;
+  expect_error([&] { forward(split, next.view(), x_next.mut()); }, "mhc::boundary_forward",
+               "config.tensor_parallel", "pre_forward_partials");
+  HostTensor bf16_li(DType::bf16, {T, D});
+  expect_error(
+      [&] {
+        boundary_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), next.view(),
+                         x_next.mut(),
+                         PreForwardOutputs{bf16_li.mut(), hpre.mut(), hpost.mut(), hres.mut()});
+      },
+      "mhc::boundary_forward", "next.layer_in", "expected dtype f32");
+
+  HostTensor dli(DType::f32, {T, D}), dxp_in(DType::f32, {T, n, D}), dhp_in(DType::f32, {T, n}),
+      wrong_dhr(DType::f32, {T, n, n + 1}), dxp(DType::f32, {T, n, D}), dlo(DType::f32, {T, D}),
+      dhp(DType::f32, {T, n}), dhr(DType::f32, {T, n, n}), dhr_in(DType::f32, {T, n, n});
+  HostGrads grads(config);
+  expect_error(
+      [&] {
+        boundary_backward(config, dli.ref(), dxp_in.ref(), dhp_in.ref(), wrong_dhr.ref(), x.ref(),
+                          layer_out.ref(), h_post.ref(), h_res.ref(), next.view(),
+                          PostBackwardOutputs{dxp.mut(), dlo.mut(), dhp.mut(), dhr.mut()},
+                          grads.view());
+      },
+      "mhc::boundary_backward", "next_dh_res", "expected shape [3, 4, 4]");
+  ParamGrads bad_grads = grads.view();
+  bad_grads.bias.shape[0] += 1;
+  expect_error(
+      [&] {
+        boundary_backward(config, dli.ref(), dxp_in.ref(), dhp_in.ref(), dhr_in.ref(), x.ref(),
+                          layer_out.ref(), h_post.ref(), h_res.ref(), next.view(),
+                          PostBackwardOutputs{dxp.mut(), dlo.mut(), dhp.mut(), dhr.mut()},
+                          bad_grads);
+      },
+      "mhc::boundary_backward", "next_grads.bias", "expected shape");
+}
+
+}  // namespace
+}  // namespace mhc::test
