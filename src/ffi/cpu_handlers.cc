@@ -132,6 +132,50 @@ ffi::Error PreBackwardFinishImpl(
   });
 }
 
+ffi::Error BoundaryForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post,
+                               ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+                               ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+                               ffi::Result<ffi::AnyBuffer> x_next,
+                               ffi::Result<ffi::AnyBuffer> layer_in,
+                               ffi::Result<ffi::AnyBuffer> h_pre,
+                               ffi::Result<ffi::AnyBuffer> next_h_post,
+                               ffi::Result<ffi::AnyBuffer> next_h_res, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::boundary_forward(
+        make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"), in(h_post, "h_post"),
+        in(h_res, "h_res"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        out(x_next, "x_next"),
+        {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(next_h_post, "next_h_post"),
+         out(next_h_res, "next_h_res")});
+  });
+}
+
+ffi::Error BoundaryBackwardImpl(
+    ffi::AnyBuffer next_dlayer_in, ffi::AnyBuffer next_dx_partial, ffi::AnyBuffer next_dh_post,
+    ffi::AnyBuffer next_dh_res, ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post,
+    ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
+    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx_partial,
+    ffi::Result<ffi::AnyBuffer> dlayer_out, ffi::Result<ffi::AnyBuffer> dh_post,
+    ffi::Result<ffi::AnyBuffer> dh_res, ffi::Result<ffi::AnyBuffer> dnorm_weight,
+    ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
+    ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::boundary_backward(
+        make_config(xv, MHC_CONFIG_ARGS), in(next_dlayer_in, "next_dlayer_in"),
+        in(next_dx_partial, "next_dx_partial"), in(next_dh_post, "next_dh_post"),
+        in(next_dh_res, "next_dh_res"), xv, in(layer_out, "layer_out"), in(h_post, "h_post"),
+        in(h_res, "h_res"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"), out(dh_post, "dh_post"),
+         out(dh_res, "dh_res")},
+        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+         out(dbias, "dbias")});
+  });
+}
+
 }  // namespace
 
 // x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
@@ -150,6 +194,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostBackward, PostBackwardImpl,
 //   -> dx, dnorm_weight, dphi, dalpha, dbias
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackward, PreBackwardImpl,
                               (handler_binding<9, 5>(ffi::Ffi::Bind())));
+
+// The fused boundary (mhc/ops.h), the next sublayer's parameters last:
+// x, layer_out, h_post, h_res, norm_weight, phi, alpha, bias
+//   -> x_next, layer_in, h_pre, next h_post, next h_res
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryForward, BoundaryForwardImpl,
+                              (handler_binding<8, 5>(ffi::Ffi::Bind())));
+// next dlayer_in, next dx_partial, next dh_post, next dh_res, x, layer_out, h_post, h_res,
+// norm_weight, phi, alpha, bias
+//   -> dx_partial, dlayer_out, dh_post, dh_res, dnorm_weight, dphi, dalpha, dbias
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryBackward, BoundaryBackwardImpl,
+                              (handler_binding<12, 8>(ffi::Ffi::Bind())));
 
 // Tensor-parallel split (D sliced across devices; mhc/ops.h):
 // x, norm_weight, phi -> partials
@@ -190,6 +245,9 @@ NB_MODULE(_mhc_cpu, module) {
     table["mhc_post_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostForward));
     table["mhc_post_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostBackward));
     table["mhc_pre_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreBackward));
+    table["mhc_boundary_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryForward));
+    table["mhc_boundary_backward"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryBackward));
     table["mhc_pre_forward_partials"] =
         nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardPartials));
     table["mhc_pre_forward_finish"] =

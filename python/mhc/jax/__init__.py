@@ -1,6 +1,15 @@
 """mHC for JAX: ``pre`` and ``post`` around a sublayer, on the fused C++ kernels or plain JAX.
 
-    layer_in, ctx = mhc.jax.pre(x, params, config)        # x: [..., n, D], f32 or bf16
+A stack of sublayers, with each post fused into the next sublayer's pre (spec: Boundary):
+
+    state = x                                              # x: [..., n, D], f32 or bf16
+    for params, branch in sublayers:
+        state = mhc.jax.sublayer(state, params, config, branch)   # a Pending post
+    x = mhc.jax.finish(state)                              # [..., n, D]
+
+One sublayer on its own:
+
+    layer_in, ctx = mhc.jax.pre(x, params, config)
     out = mhc.jax.post(branch(layer_in), ctx)              # out: [..., n, D]
 
 With ``use_kernel=True`` (default) both are ``jax.custom_vjp`` functions whose forward and
@@ -15,7 +24,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
-from mhc.jax._types import Config, Context, Params, check_post_args, check_pre_args, init_params
+from mhc.jax._types import (
+    Config,
+    Context,
+    Params,
+    Pending,
+    check_post_args,
+    check_pre_args,
+    init_params,
+)
 
 __all__ = [
     "Config",
@@ -24,6 +41,10 @@ __all__ = [
     "init_params",
     "pre",
     "post",
+    "boundary",
+    "Pending",
+    "sublayer",
+    "finish",
     "expand",
     "reduce",
     "sharded_pre",
@@ -63,6 +84,49 @@ def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     if not ctx.use_kernel:
         return reference.post(layer_out, ctx)
     return _post_kernel(layer_out, ctx)
+
+
+def boundary(layer_out: jax.Array, ctx: Context, params: Params, config: Config, *, use_kernel: bool = True):
+    """``post(layer_out, ctx)`` then ``pre`` of the next sublayer on its result, in one pass
+    (spec: Boundary): the next sublayer's (layer_in, Context), whose ``x`` is the new streams.
+
+    On the kernel path (``use_kernel`` and ``ctx.use_kernel``) the CPU runs the fused boundary
+    kernels: the new streams are written once and projected while in cache, and the backward
+    recomputes them instead of keeping them, never storing their gradient. The results equal the
+    two calls bit for bit. On a GPU, and with D split over devices, it runs the two operations.
+    ``config`` is the next sublayer's (same n as ``ctx.config``).
+    """
+    check_post_args(layer_out, ctx)
+    if not (use_kernel and ctx.use_kernel):
+        return pre(post(layer_out, ctx), params, config, use_kernel=use_kernel)
+    if config.n != ctx.config.n:
+        raise ValueError(f"config: the next sublayer's n ({config.n}) must equal ctx.config.n ({ctx.config.n})")
+    check_pre_args(ctx.x, params, config)
+    layer_in, x_next, h_post, h_res = _kernels.boundary(config, ctx.x, layer_out, ctx.h_post, ctx.h_res, params)
+    return layer_in, Context(x_next, h_post, h_res, config, True)
+
+
+def sublayer(state, params: Params, config: Config, branch, *, use_kernel: bool = True) -> Pending:
+    """One mHC-wrapped sublayer of a stack, its post left pending so that the next sublayer's
+    pre fuses with it (``boundary``).
+
+    state: the streams [..., n, D] (the first sublayer) or the ``Pending`` the previous sublayer
+    returned; branch: layer_in [..., D] -> layer_out [..., D] (e.g. norm then attention).
+    Returns a ``Pending``: pass it to the next ``sublayer``, or to ``finish`` for the streams.
+    Works under jit, grad, checkpoint and scan (``Pending`` is a pytree).
+    """
+    if isinstance(state, Pending):
+        layer_in, ctx = boundary(state.layer_out, state.ctx, params, config, use_kernel=use_kernel)
+    else:
+        layer_in, ctx = pre(state, params, config, use_kernel=use_kernel)
+    return Pending(branch(layer_in), ctx)
+
+
+def finish(state) -> jax.Array:
+    """The streams [..., n, D] of a chain: the pending post applied (an array passes through)."""
+    if isinstance(state, Pending):
+        return post(state.layer_out, state.ctx)
+    return state
 
 
 def expand(h: jax.Array, n: int) -> jax.Array:

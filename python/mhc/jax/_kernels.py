@@ -69,6 +69,29 @@ def pre_backward(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, para
     return _call("mhc_pre_backward", config, types, dlayer_in, dx_partial, dh_post, dh_res, x, *params)
 
 
+def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params):
+    t, n, d = x.shape
+    types = (
+        _sds(x.shape, x.dtype),
+        _sds((t, d), x.dtype),
+        _sds((t, n), _F32),
+        _sds((t, n), _F32),
+        _sds((t, n, n), _F32),
+    )
+    return _call("mhc_boundary_forward", config, types, x, layer_out, h_post, h_res, *params)
+
+
+def boundary_backward(config: Config, next_cotangents, x, layer_out, h_post, h_res, params: Params):
+    t, n, _ = x.shape
+    types = (
+        _sds(x.shape, x.dtype),
+        _sds(layer_out.shape, layer_out.dtype),
+        _sds((t, n), _F32),
+        _sds((t, n, n), _F32),
+    ) + tuple(_sds(p.shape, _F32) for p in params)
+    return _call("mhc_boundary_backward", config, types, *next_cotangents, x, layer_out, h_post, h_res, *params)
+
+
 def pre_forward_partials(config: Config, slices: int, x, norm_weight, phi):
     t = x.shape[0]
     types = _sds((t, config.projection_width + 1), _F32)
@@ -190,6 +213,75 @@ def _post_backward_local(config: Config, plan, g, x, layer_out, h_post, h_res):
     )
 
 
+def _boundary_forward_local(config: Config, plan, x, layer_out, h_post, h_res, *shaped):
+    """post of sublayer l, then pre of l+1: fused on the CPU when D is whole, else (a GPU, whose
+    backend has no boundary kernel yet, or D split over devices) the two operations in turn."""
+
+    def separate():
+        (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
+        return (x_next, *_pre_forward_local(config, plan, x_next, *shaped))
+
+    def fused():
+        lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        t, width = math.prod(lead), config.projection_width
+        flat = (x.reshape(t, n, d), layer_out.reshape(t, d), h_post.reshape(t, n), h_res.reshape(t, n, n))
+        x_next, layer_in, _, next_h_post, next_h_res = boundary_forward(config, *flat, _local_params(config, *shaped))
+        return (
+            x_next.reshape(x.shape),
+            layer_in.reshape(*lead, d),
+            next_h_post.reshape(*lead, n),
+            next_h_res.reshape(*lead, n, n),
+            jnp.zeros((*lead, width + 1), _F32),  # only the split backward reads them
+        )
+
+    if plan.slices > 1:
+        return separate()
+    return tuple(jax.lax.platform_dependent(cpu=fused, default=separate))
+
+
+def _boundary_backward_local(config: Config, plan, *operands):
+    """pre_backward of sublayer l+1 (its x recomputed by the post of l), then post_backward of l
+    with g = its dx: fused on the CPU when D is whole (dx_next never stored), else in turn."""
+    next_cotangents, (x, layer_out, h_post, h_res, partials), shaped = operands[:4], operands[4:9], operands[9:]
+
+    def separate():
+        (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
+        dx_next, *grads = _pre_backward_local(config, plan, *next_cotangents, x_next, partials, *shaped)
+        return (*_post_backward_local(config, plan, dx_next, x, layer_out, h_post, h_res), *grads)
+
+    def fused():
+        lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        t, width = math.prod(lead), config.projection_width
+        dli, dxp, dhp, dhr = next_cotangents
+        post_inputs = (x, layer_out, h_post, h_res)
+        valid = plan.valid_tokens(lead)
+        if valid is not None:  # rows XLA padded hold anything: zero them (x_next is then zero too)
+            dli, dhp, lo, hp = (jnp.where(valid[..., None], a, 0) for a in (dli, dhp, layer_out, h_post))
+            dxp, dhr, xs, hr = (jnp.where(valid[..., None, None], a, 0) for a in (dxp, dhr, x, h_res))
+            post_inputs = (xs, lo, hp, hr)
+        flat_cotangents = (dli.reshape(t, d), dxp.reshape(t, n, d), dhp.reshape(t, n), dhr.reshape(t, n, n))
+        xs, lo, hp, hr = post_inputs
+        flat_post = (xs.reshape(t, n, d), lo.reshape(t, d), hp.reshape(t, n), hr.reshape(t, n, n))
+        dx_partial, dlayer_out, dh_post, dh_res, *grads = boundary_backward(
+            config, flat_cotangents, *flat_post, _local_params(config, *shaped)
+        )
+        dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
+        return (
+            dx_partial.reshape(x.shape),
+            dlayer_out.reshape(layer_out.shape),
+            dh_post.reshape(h_post.shape),
+            dh_res.reshape(h_res.shape),
+            dnorm_weight.reshape(n, d),
+            dphi.reshape(n, d, width),
+            dalpha,
+            dbias,
+        )
+
+    if plan.slices > 1:
+        return separate()
+    return tuple(jax.lax.platform_dependent(cpu=fused, default=separate))
+
+
 _PARAMS = ("nd", "ndk", "a", "k")
 PRE_FORWARD = Operation(
     "pre_forward",
@@ -221,7 +313,22 @@ POST_BACKWARD = Operation(
     local=_post_backward_local,
     primary=1,  # x
 )
-OPERATIONS = (PRE_FORWARD, PRE_BACKWARD, POST_FORWARD, POST_BACKWARD)
+BOUNDARY_FORWARD = Operation(
+    "boundary_forward",
+    targets=("mhc_boundary_forward", *POST_FORWARD.targets, *PRE_FORWARD.targets),
+    operands=("Bnd", "Bd", "Bn", "Bnm", *_PARAMS),
+    results=("Bnd", "Bd", "Bn", "Bnm", "Bp"),
+    local=_boundary_forward_local,
+)
+BOUNDARY_BACKWARD = Operation(
+    "boundary_backward",
+    targets=("mhc_boundary_backward", *PRE_BACKWARD.targets, *POST_BACKWARD.targets),
+    operands=("Bd", "Bnd", "Bn", "Bnm", "Bnd", "Bd", "Bn", "Bnm", "Bp", *_PARAMS),
+    results=("Bnd", "Bd", "Bn", "Bnm", *_PARAMS),
+    local=_boundary_backward_local,
+    primary=4,  # x
+)
+OPERATIONS = (PRE_FORWARD, PRE_BACKWARD, POST_FORWARD, POST_BACKWARD, BOUNDARY_FORWARD, BOUNDARY_BACKWARD)
 PARTITIONED_TARGETS = frozenset(target for operation in OPERATIONS for target in operation.targets)
 """Every FFI target the JAX package calls; tests check it covers every registered target."""
 
@@ -272,3 +379,32 @@ def _post_bwd(config, residuals, g):
 
 
 post.defvjp(_post_fwd, _post_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def boundary(config: Config, x, layer_out, h_post, h_res, params: Params):
+    """post of sublayer l (x, layer_out, h_post, h_res) then pre of l+1 (params, config) ->
+    layer_in [..., D], x_next (for the next context), h_post [..., n], h_res [..., n, n] of l+1:
+    the outputs of ``pre`` for x_next. The backward keeps x, not x_next (recomputed per tile)."""
+    return _boundary_fwd(config, x, layer_out, h_post, h_res, params)[0]
+
+
+def _boundary_fwd(config, x, layer_out, h_post, h_res, params):
+    shaped = _shaped(config, x.shape[-1], params)
+    x_next, layer_in, next_h_post, next_h_res, partials = apply(
+        BOUNDARY_FORWARD, config, _lead(x), x, layer_out, h_post, h_res, *shaped
+    )
+    return (layer_in, x_next, next_h_post, next_h_res), (x, layer_out, h_post, h_res, partials, params)
+
+
+def _boundary_bwd(config, residuals, cotangents):
+    x, layer_out, h_post, h_res, partials, params = residuals
+    shaped = _shaped(config, x.shape[-1], params)
+    # cotangents: layer_in, x_next (the next post's dx_partial), h_post, h_res of sublayer l+1.
+    results = apply(BOUNDARY_BACKWARD, config, _lead(x), *cotangents, x, layer_out, h_post, h_res, partials, *shaped)
+    dx_partial, dlayer_out, dh_post, dh_res, dnorm_weight, dphi, dalpha, dbias = results
+    grads = Params(dnorm_weight.reshape(-1), dphi.reshape(params.phi.shape), dalpha, dbias)
+    return dx_partial, dlayer_out, dh_post, dh_res, grads
+
+
+boundary.defvjp(_boundary_fwd, _boundary_bwd)

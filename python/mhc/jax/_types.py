@@ -96,6 +96,17 @@ class Context:
     use_kernel: bool = dataclasses.field(metadata=dict(static=True))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """The streams between two sublayers with the first one's post not yet applied: its
+    layer_out [..., D] and its Context. ``mhc.jax.sublayer`` fuses it into the next sublayer's
+    pre; ``mhc.jax.finish`` applies it."""
+
+    layer_out: jax.Array
+    ctx: Context
+
+
 ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
