@@ -181,6 +181,38 @@ def check_padded_and_gathered(mix, seed):
         print(f"ok: {label} {mix}")
 
 
+def check_boundary_chain(seed):
+    """Three sublayers chained by mj.sublayer (two fused boundaries), sharded: values and every
+    gradient equal one device's. Tokens split (evenly, or padded by XLA): each device runs the
+    fused boundary kernels; D split: the separate operations (no boundary custom call)."""
+    config, x, _, w, _ = inputs("sinkhorn", jnp.float32, seed)
+    layers = [random_params(key, config, D) for key in jax.random.split(jax.random.key(seed + 1), 3)]
+    mix = jax.random.normal(jax.random.key(seed + 2), (D, D)) / np.sqrt(D)
+
+    def loss(x, w, layers, constrain):
+        x = jax.lax.with_sharding_constraint(x, constrain) if constrain is not None else x
+        state = x
+        for params in layers:
+            state = mj.sublayer(state, params, config, lambda h: jnp.tanh(h @ mix))
+        return jnp.sum(mj.finish(state) * w)
+
+    gradient = jax.value_and_grad(loss, argnums=(0, 2))
+    cases = {
+        "tokens": ((8,), ("data",), P("data"), 6, True),
+        "uneven tokens": ((4, 2), ("data", "seq"), P("data", "seq"), 5, True),
+        "tokens+D": ((2, 4), ("data", "tensor"), P("data", None, None, "tensor"), 6, False),
+    }
+    for label, (mesh_shape, names, spec, seq, fused) in cases.items():
+        mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+        xs, ws = x[:, :seq], w[:, :seq]
+        want = jax.jit(gradient, static_argnums=3)(xs, ws, layers, None)
+        compiled = jax.jit(gradient, static_argnums=3).lower(xs, ws, layers, NamedSharding(mesh, spec)).compile()
+        compare(f"boundary chain {label}", compiled(xs, ws, layers), want, jnp.float32)
+        has_boundary = "mhc_boundary_forward" in compiled.as_text()
+        assert has_boundary == fused, f"boundary chain {label}: fused kernels present {has_boundary}"
+        print(f"ok: boundary chain {label}")
+
+
 def check_sharded_parameters(seed):
     """Parameters held as norm_weight [n, D] and phi [n, D, N] with D on the tensor axis, reshaped
     at the call: nothing is gathered and their gradients come back sharded the same way."""
@@ -359,6 +391,7 @@ if __name__ == "__main__":
                 check(label, mesh_shape, names, spec, mix, dtype, seed)
         check_padded_and_gathered(mix, seed)
     check_no_raw_custom_call(seed)
+    check_boundary_chain(seed)
     check_sharded_parameters(seed)
     check_sharded_pre_post(seed)
     check_bad_axes()

@@ -42,8 +42,39 @@ def _need(condition: bool, reason: str):
 
 def test_cuda_targets_registered():
     _need(_ffi._mhc_cuda is not None, "built without CUDA (no _mhc_cuda module)")
-    assert _ffi.CUDA_TARGETS == _ffi.TARGET_NAMES  # every CPU target has its CUDA twin
+    # Every CPU target has its CUDA twin but the fused boundary, which on a GPU runs as the
+    # separate operations (test_boundary_falls_back_to_separate_calls_on_the_gpu).
+    cpu_only = {"mhc_boundary_forward", "mhc_boundary_backward"}
+    assert set(_ffi.CUDA_TARGETS) == set(_ffi.TARGET_NAMES) - cpu_only
     assert isinstance(_ffi._mhc_cuda.device_available(), bool)
+
+
+def test_boundary_falls_back_to_separate_calls_on_the_gpu(seed):
+    """mhc.jax.sublayer on a GPU: the compiled program holds the separate pre/post custom calls
+    (no CUDA boundary kernel yet) and the values match the CPU's fused boundary."""
+    _need(_ffi._mhc_cuda is not None, "built without CUDA (no _mhc_cuda module)")
+    _need(bool(_gpus()), "no GPU")
+    config = mj.Config(n=4)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (64, 4, 256), jnp.float32)
+    layers = [random_params(k, config, 256) for k in keys[1:]]
+
+    def loss(x, layers):
+        state = x
+        for params in layers:
+            state = mj.sublayer(state, params, config, jnp.tanh)
+        return jnp.sum(mj.finish(state) ** 2)
+
+    program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    gpu, cpu = _gpus()[0], jax.devices("cpu")[0]
+    on_gpu = [jax.device_put(a, gpu) for a in (x, layers)]
+    hlo = program.lower(*on_gpu).compile().as_text()
+    assert "mhc_boundary" not in hlo and "mhc_pre_backward" in hlo
+    with jax.default_matmul_precision("highest"):
+        got = program(*on_gpu)
+        want = program(*(jax.device_put(a, cpu) for a in (x, layers)))
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert relative_error(a, b) <= 1e-4, f"seed {seed}"
 
 
 def test_default_device_is_the_gpu():
