@@ -13,6 +13,10 @@ from mhc import jax as mhc_jax
 class ManifoldConstrainedHyperConnections(nnx.Module):
     """pre -> norm_fn -> branch_fn -> post around one sublayer (attention or MLP).
 
+    In a stack, ``chain`` leaves each post pending so that it fuses with the next layer's pre:
+    ``state = layer.chain(norm_fn, branch_fn, state)`` per sublayer, then
+    ``mhc.jax.finish(state)``. ``layer(norm_fn, branch_fn, x)`` is one whole sublayer.
+
     Args:
       config: ``mhc.jax.Config`` (n, mix, Sinkhorn settings).
       dim: D, the features per stream.
@@ -71,6 +75,32 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         norm_weight, phi = self.norm_weight[...], self.phi[...]
         width = self.config.projection_width
         return mhc_jax.Params(norm_weight.reshape(-1), phi.reshape(-1, width), self.alpha[...], self.bias[...])
+
+    def chain(self, norm_fn: Callable, branch_fn: Callable, state) -> mhc_jax.Pending:
+        """This sublayer in a stack, its post left pending so that the next sublayer's pre fuses
+        with it (``mhc.jax.sublayer``): ``state`` is the streams [..., n, D] or the ``Pending`` of
+        the previous layer's ``chain``; end the stack with ``mhc.jax.finish(state)``.
+
+        With ``mesh=`` the layouts are pinned by ``sharded_pre``/``sharded_post``, which do not
+        fuse: the pending post is applied first. (Without ``mesh=``, sharded inputs under
+        ``nnx.jit`` fuse on each device.)
+        """
+        if self.mesh is not None:
+            return self._pinned_chain(norm_fn, branch_fn, state)
+        # The identity branch leaves layer_in where layer_out goes, for the hook to see H_res first.
+        opened = mhc_jax.sublayer(state, self.params(), self.config, lambda h: h, use_kernel=self.use_kernel)
+        if self.on_mix is not None:
+            self.on_mix(opened.ctx.h_res)
+        return mhc_jax.Pending(branch_fn(norm_fn(opened.layer_out)), opened.ctx)
+
+    def _pinned_chain(self, norm_fn: Callable, branch_fn: Callable, state) -> mhc_jax.Pending:
+        axes = dict(mesh=self.mesh, token_axes=self.token_axes, tensor_axis=self.tensor_axis)
+        if isinstance(state, mhc_jax.Pending):
+            state = mhc_jax.sharded_post(state.layer_out, state.ctx, **axes)
+        layer_in, ctx = mhc_jax.sharded_pre(state, self.params(), self.config, **axes)
+        if self.on_mix is not None:
+            self.on_mix(ctx.h_res)
+        return mhc_jax.Pending(branch_fn(norm_fn(layer_in)), ctx)
 
     def __call__(self, norm_fn: Callable, branch_fn: Callable, x: jax.Array) -> jax.Array:
         axes = dict(mesh=self.mesh, token_axes=self.token_axes, tensor_axis=self.tensor_axis)

@@ -77,11 +77,14 @@ class Block(nnx.Module):
             self.mlp_hc = ManifoldConstrainedHyperConnections(hc, width, use_kernel=config.use_kernel, rngs=rngs)
 
     def __call__(self, x):
+        """x: the hidden state [batch, seq, width] (plain), or for mHC the streams [batch, seq, n,
+        width] or the previous block's ``mhc.jax.Pending``, which this block returns in turn: each
+        post is fused with the next sublayer's pre (end the stack with ``mhc.jax.finish``)."""
         if self.plain:
             x = x + self.attn(self.attn_norm(x))
             return x + self.mlp(self.mlp_norm(x))
-        x = self.attn_hc(self.attn_norm, self.attn, x)
-        return self.mlp_hc(self.mlp_norm, self.mlp, x)
+        state = self.attn_hc.chain(self.attn_norm, self.attn, x)
+        return self.mlp_hc.chain(self.mlp_norm, self.mlp, state)
 
     def hyper_connections(self):
         return [] if self.plain else [self.attn_hc, self.mlp_hc]
@@ -102,10 +105,10 @@ class Transformer(nnx.Module):
             for block in self.blocks:
                 h = block(h)
         else:
-            x = mhc_jax.expand(h, self.config.n)
+            state = mhc_jax.expand(h, self.config.n)
             for block in self.blocks:
-                x = block(x)
-            h = mhc_jax.reduce(x)
+                state = block(state)
+            h = mhc_jax.reduce(mhc_jax.finish(state))
         return self.head(self.final_norm(h))
 
     def residual_mixes(self, tokens) -> np.ndarray:

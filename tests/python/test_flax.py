@@ -49,3 +49,57 @@ def test_kernel_switch_same_outputs_and_grads(seed, mix):
 def test_layer_validates_its_arguments():
     with pytest.raises(ValueError, match="pass mesh too"):
         ManifoldConstrainedHyperConnections(mj.Config(n=2), 8, tensor_axis="tensor", rngs=nnx.Rngs(0))
+
+
+class Stack(nnx.Module):
+    """Sublayers chained by ``chain`` (each post fused into the next pre), or called whole."""
+
+    def __init__(self, config, d, layers, seed):
+        self.layers = nnx.List(
+            [ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed + k)) for k in range(layers)]
+        )
+        for k, layer in enumerate(self.layers):
+            layer.alpha[...] = jnp.array([0.9, -1.1, 1.3])
+            layer.bias[...] = jax.random.normal(jax.random.key(seed + 100 + k), layer.bias[...].shape)
+
+    def __call__(self, x, fused):
+        if not fused:
+            for layer in self.layers:
+                x = layer(rms_norm, jnp.tanh, x)
+            return x
+        state = x
+        for layer in self.layers:
+            state = layer.chain(rms_norm, jnp.tanh, state)
+        return mj.finish(state)
+
+
+def test_chain_equals_whole_layers_and_scans(seed):
+    """chain over 4 layers: the same bits as calling each layer whole (values and gradients), and
+    the same values under nnx.scan over stacked layers with nnx.remat."""
+    config, d = mj.Config(n=4), 16
+    stack = Stack(config, d, 4, seed)
+    x = jax.random.normal(jax.random.key(seed + 1), (2, 3, 4, d))
+
+    def loss(stack, x, fused):
+        return jnp.sum(stack(x, fused) ** 2)
+
+    assert jnp.array_equal(stack(x, True), stack(x, False)), f"seed {seed}"
+    grads = {fused: nnx.jit(nnx.grad(loss), static_argnums=2)(stack, x, fused) for fused in (True, False)}
+    for a, b in zip(jax.tree.leaves(nnx.state(grads[True])), jax.tree.leaves(nnx.state(grads[False])), strict=True):
+        assert jnp.array_equal(a, b), f"seed {seed}"
+
+    # The same layers scanned: state carried as a Pending through nnx.scan with remat.
+    first = stack.layers[0]
+    graphdef, _ = nnx.split(first)
+    stacked = jax.tree.map(lambda *v: jnp.stack(v), *(nnx.state(layer) for layer in stack.layers[1:]))
+
+    @nnx.remat
+    def step(state, layer_state):
+        layer = nnx.merge(graphdef, layer_state)
+        return layer.chain(rms_norm, jnp.tanh, state), None
+
+    def scanned(x):
+        state, _ = jax.lax.scan(step, first.chain(rms_norm, jnp.tanh, x), stacked)
+        return mj.finish(state)
+
+    assert relative_error(jax.jit(scanned)(x), stack(x, True)) <= 1e-6, f"seed {seed}"
