@@ -1,8 +1,10 @@
 """python -m mhc.bench: the fused kernels against the jitted plain-JAX path, on the roofline.
 
-For each shape and each operation (the four C++ operations, and a whole sublayer pre -> identity
-branch -> post, forward and forward+backward) it measures the median time of the kernel path and
-of the jitted ``use_kernel=False`` path side by side, and reports their ratio, the achieved GB/s
+For each shape and each operation (the four C++ operations, a whole sublayer pre -> identity
+branch -> post, and the fused boundary post -> pre between two sublayers, each forward and
+forward+backward) it measures the median time of the kernel path and of the jitted
+``use_kernel=False`` path side by side (the boundary also as the two separate kernel calls,
+``separate_ms``), and reports their ratio, the achieved GB/s
 (the spec's minimum bytes) and GFLOP/s, and the fraction of the roofline floor
 max(bytes / copy bandwidth, FLOPs / FMA peak), with both ceilings measured in the same run.
 Peak memory of the sublayer's forward+backward is measured per path in a fresh subprocess.
@@ -27,7 +29,19 @@ import subprocess
 import sys
 import time
 
-OPS = ("pre_forward", "post_forward", "post_backward", "pre_backward", "sublayer_fwd", "sublayer_fwd_bwd")
+OPS = (
+    "pre_forward",
+    "post_forward",
+    "post_backward",
+    "pre_backward",
+    "sublayer_fwd",
+    "sublayer_fwd_bwd",
+    "boundary_fwd",
+    "boundary_fwd_bwd",
+)
+# The fused boundary (post of one sublayer, pre of the next): timed also as the two separate
+# kernel calls, reported as separate_ms.
+BOUNDARY_OPS = ("boundary_fwd", "boundary_fwd_bwd")
 DECODE_TOKENS = (1, 8, 64)
 DECODE_DIMS = (4096, 7168)
 
@@ -52,15 +66,18 @@ def projection_width(n: int, mix: str) -> int:
     return 2 * n + (n * n if mix == "sinkhorn" else math.factorial(n))
 
 
-def minimum_bytes(op: str, s: Shape) -> float:
-    """The spec's minimum memory traffic (section "Minimum memory traffic") for T tokens, plus the
-    parameters the spec leaves out because they vanish at large T but dominate at decode sizes:
-    each pre operation reads phi [nD, N] (f32) once, and pre_backward also writes dphi."""
+def minimum_bytes(op: str, s: Shape, separate: bool = False) -> float:
+    """The spec's minimum memory traffic (sections "Minimum memory traffic" and "Boundary") for T
+    tokens, plus the parameters the spec leaves out because they vanish at large T but dominate at
+    decode sizes: each pre operation reads phi [nD, N] (f32) once, and pre_backward also writes
+    dphi. ``separate``: the boundary as two calls (post, then pre; pre_backward, post_backward)."""
     e = 2 if s.dtype == "bf16" else 4
     phi = 4.0 * s.n * s.dim * projection_width(s.n, s.mix)
     parameters = {"pre_forward": phi, "post_forward": 0.0, "post_backward": 0.0, "pre_backward": 2 * phi}
     parameters["sublayer_fwd"] = parameters["pre_forward"]
     parameters["sublayer_fwd_bwd"] = 2 * parameters["pre_forward"] + parameters["pre_backward"]
+    parameters["boundary_fwd"] = parameters["sublayer_fwd"]
+    parameters["boundary_fwd_bwd"] = parameters["sublayer_fwd_bwd"]
     per_token = {
         "pre_forward": (s.n + 1),
         "post_forward": (2 * s.n + 1),
@@ -69,6 +86,12 @@ def minimum_bytes(op: str, s: Shape) -> float:
     }
     per_token["sublayer_fwd"] = per_token["pre_forward"] + per_token["post_forward"]
     per_token["sublayer_fwd_bwd"] = sum(per_token[k] for k in OPS[:4])
+    if separate:
+        per_token["boundary_fwd"] = per_token["sublayer_fwd"]
+        per_token["boundary_fwd_bwd"] = per_token["sublayer_fwd_bwd"]
+    else:  # x_next written once, never read back; the backward recomputes it, never stores dx_next
+        per_token["boundary_fwd"] = 2 * s.n + 2
+        per_token["boundary_fwd_bwd"] = (2 * s.n + 2) + (3 * s.n + 3)
     return float(per_token[op] * s.dim * e * s.tokens) + parameters[op]
 
 
@@ -85,6 +108,9 @@ def flop_count(op: str, s: Shape) -> float:
     }
     per_token["sublayer_fwd"] = per_token["pre_forward"] + per_token["post_forward"]
     per_token["sublayer_fwd_bwd"] = sum(per_token[k] for k in OPS[:4])
+    # The boundary's backward recomputes x_next: one more post forward.
+    per_token["boundary_fwd"] = per_token["sublayer_fwd"]
+    per_token["boundary_fwd_bwd"] = per_token["sublayer_fwd_bwd"] + per_token["post_forward"]
     return float(per_token[op] * s.tokens)
 
 
@@ -123,8 +149,9 @@ def _inputs(s: Shape, seed: int = 0):
     )
 
 
-def _functions(op: str, use_kernel: bool, config):
-    """(jitted function, names of its inputs) for one operation on one path."""
+def _functions(op: str, use_kernel: bool, config, fused: bool = True):
+    """(jitted function, names of its inputs) for one operation on one path; ``fused=False``: the
+    boundary as two separate calls."""
     import jax
 
     import mhc.jax as mj
@@ -142,6 +169,22 @@ def _functions(op: str, use_kernel: bool, config):
     def plain_post(x, layer_out, h_post, h_res):
         return reference.post(layer_out, Context(x, h_post, h_res, config, False))
 
+    def boundary(x, layer_out, h_post, h_res, params):
+        ctx = Context(x, h_post, h_res, config, use_kernel)
+        if fused:
+            layer_in, next_ctx = mj.boundary(layer_out, ctx, params, config, use_kernel=use_kernel)
+        else:
+            layer_in, next_ctx = mj.pre(mj.post(layer_out, ctx), params, config, use_kernel=use_kernel)
+        return layer_in, next_ctx.x, next_ctx.h_post, next_ctx.h_res
+
+    boundary_inputs = ("x", "layer_out", "h_post", "h_res", "params")
+    if op == "boundary_fwd":
+        return jax.jit(boundary), boundary_inputs
+    if op == "boundary_fwd_bwd":
+        return (
+            jax.jit(lambda *a: jax.vjp(boundary, *a[:5])[1](a[5:])),
+            (*boundary_inputs, "dlayer_in", "g", "dh_post", "dh_res"),
+        )
     if op == "sublayer_fwd":
         return jax.jit(sublayer), ("x_sublayer", "params")
     if op == "sublayer_fwd_bwd":
@@ -286,6 +329,15 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                 function, names = _functions(op, use_kernel, config)
                 args = tuple(data[name] for name in names)
                 times[use_kernel] = _median_seconds(function, args, repeats)
+            extra = {}
+            if op in BOUNDARY_OPS:
+                function, names = _functions(op, True, config, fused=False)
+                separate = _median_seconds(function, tuple(data[name] for name in names), repeats)
+                extra = {
+                    "separate_ms": separate * 1e3,
+                    "separate_bytes": minimum_bytes(op, s, separate=True),
+                    "fused_speedup": separate / times[True],
+                }
             nbytes, flops = minimum_bytes(op, s), flop_count(op, s)
             memory_floor = nbytes / (machine["copy_gbs"] * 1e9)
             peak = machine["fma_peak_gflops"]
@@ -304,6 +356,7 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
                     "roofline_floor_ms": floor * 1e3,
                     "bound": "memory" if memory_floor >= compute_floor else "compute",
                     "roofline_fraction": floor / times[True],
+                    **extra,
                 }
             )
             if bar is not None:
@@ -360,6 +413,16 @@ def format_table(result: dict) -> str:
             f"{r['kernel_gbs']:>7.2f} {r['kernel_gflops']:>8.2f} {r['roofline_floor_ms']:>9.3f} {r['bound']:>8} "
             f"{r['roofline_fraction']:>8.0%}"
         )
+    boundary = [r for r in result["rows"] if "separate_ms" in r]
+    if boundary:
+        lines += ["", "The fused boundary against post + pre as two kernel calls (bytes: the spec's Boundary section):"]
+        lines.append(f"{'shape':<26} {'op':<17} {'fused ms':>10} {'2 calls ms':>10} {'speedup':>8} {'bytes':>15}")
+        for r in boundary:
+            nbytes = f"{r['minimum_bytes'] / 2**20:.0f} / {r['separate_bytes'] / 2**20:.0f} MiB"
+            lines.append(
+                f"{shape_of(r):<26} {r['op']:<17} {r['kernel_ms']:>10.3f} {r['separate_ms']:>10.3f} "
+                f"{r['fused_speedup']:>7.2f}x {nbytes:>15}"
+            )
     memory = [r for r in result["rows"] if r["op"] == "memory_fwd_bwd"]
     if memory:
         lines += ["", "Peak memory added by one sublayer forward+backward (fresh process; XLA temp buffers):"]

@@ -23,6 +23,11 @@ def test_kernel_and_plain_functions_agree(op, batch_axis):
     for use_kernel in (True, False):
         function, names = bench._functions(op, use_kernel, config)
         results.append(function(*(data[name] for name in names)))
+    if op in bench.BOUNDARY_OPS:  # the fused boundary and its two separate calls: the same bits
+        function, names = bench._functions(op, True, config, fused=False)
+        separate = function(*(data[name] for name in names))
+        for got, want in zip(jax.tree.leaves(results[0]), jax.tree.leaves(separate), strict=True):
+            assert np.array_equal(np.asarray(got), np.asarray(want)), op
     kernel, plain = results
     if op == "pre_forward":  # the kernel also returns h_pre
         kernel = (kernel[0], kernel[2], kernel[3])
@@ -38,6 +43,11 @@ def test_byte_and_flop_counts_follow_the_spec():
     assert bench.minimum_bytes("post_forward", s) == (2 * 4 + 1) * 8 * 2 * 3
     assert bench.minimum_bytes("pre_backward", s) == (3 * 4 + 1) * 8 * 2 * 3 + 2 * phi
     assert bench.minimum_bytes("sublayer_fwd_bwd", s) == (5 + 9 + 14 + 13) * 8 * 2 * 3 + 4 * phi
+    # Boundary: (2n+2)De forward and (3n+3)De backward fused, against the two calls'.
+    assert bench.minimum_bytes("boundary_fwd", s) == (2 * 4 + 2) * 8 * 2 * 3 + phi
+    assert bench.minimum_bytes("boundary_fwd", s, separate=True) == (5 + 9) * 8 * 2 * 3 + phi
+    assert bench.minimum_bytes("boundary_fwd_bwd", s) == (10 + 15) * 8 * 2 * 3 + 4 * phi
+    assert bench.minimum_bytes("boundary_fwd_bwd", s, separate=True) == (5 + 9 + 14 + 13) * 8 * 2 * 3 + 4 * phi
     assert bench.projection_width(4, "sinkhorn") == 24 and bench.projection_width(4, "permutations") == 32
     assert bench.flop_count("pre_forward", s) == (2 * 4 * 8 * 24 + 2 * 4 * 8) * 3
 
@@ -57,6 +67,8 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     assert len(timed) == len(bench.OPS)
     for row in timed:
         assert row["kernel_ms"] > 0 and row["plain_ms"] > 0 and row["roofline_fraction"] > 0
+        assert ("separate_ms" in row) == (row["op"] in bench.BOUNDARY_OPS), row
+    assert "two kernel calls" in table
     memory = [r for r in result["rows"] if r["op"] == "memory_fwd_bwd"]
     assert {r["path"] for r in memory} == {"kernel", "plain"}
     assert all("peak_added_bytes" in r for r in memory), memory
