@@ -41,7 +41,19 @@ constexpr size_t kCopyBytes = size_t{256} << 20;  // 256 MiB source, 256 MiB des
 // fraction_of_copy; 0 until that benchmark has run (e.g. when filtered out).
 double g_copy_gbps = 0.0;
 
-enum class Op { pre_forward, post_forward, post_backward, pre_backward };
+// The four operations, and the boundary between two sublayers fused (boundary_*) and as the two
+// calls it replaces (two_calls_*: post_forward then pre_forward; pre_backward then
+// post_backward).
+enum class Op {
+  pre_forward,
+  post_forward,
+  post_backward,
+  pre_backward,
+  boundary_forward,
+  two_calls_forward,
+  boundary_backward,
+  two_calls_backward
+};
 
 const char* op_name(Op op) {
   switch (op) {
@@ -49,6 +61,10 @@ const char* op_name(Op op) {
     case Op::post_forward: return "post_forward";
     case Op::post_backward: return "post_backward";
     case Op::pre_backward: return "pre_backward";
+    case Op::boundary_forward: return "boundary_forward";
+    case Op::two_calls_forward: return "two_calls_forward";
+    case Op::boundary_backward: return "boundary_backward";
+    case Op::two_calls_backward: return "two_calls_backward";
   }
   return "?";
 }
@@ -60,6 +76,11 @@ int64_t traffic_units(Op op, int64_t n) {
     case Op::post_forward: return 2 * n + 1;
     case Op::post_backward: return 3 * n + 2;
     case Op::pre_backward: return 3 * n + 1;
+    // spec: Boundary
+    case Op::boundary_forward: return 2 * n + 2;
+    case Op::two_calls_forward: return (2 * n + 1) + (n + 1);
+    case Op::boundary_backward: return 3 * n + 3;
+    case Op::two_calls_backward: return (3 * n + 1) + (3 * n + 2);
   }
   return 0;
 }
@@ -124,6 +145,8 @@ struct Workspace {
   std::vector<float> d_norm_weight, d_phi, d_alpha, d_bias;
   // Coefficients and their gradients (f32).
   std::vector<float> h_pre, h_post, h_res, dh_post, dh_res;
+  // The boundary's: the next sublayer's coefficients, this sublayer's coefficient gradients.
+  std::vector<float> next_h_pre, next_h_post, next_h_res, post_dh_post, post_dh_res;
   // Activations in the case's dtype.
   Activation x, layer_in, layer_out, out, g, dx_partial, dlayer_out, dlayer_in, dx;
 
@@ -167,6 +190,11 @@ struct Workspace {
     dh_post.assign(h_pre.size(), 0.0f);
     h_res.assign(static_cast<size_t>(T * n * n), 0.0f);
     dh_res.assign(h_res.size(), 0.0f);
+    next_h_pre.assign(h_pre.size(), 0.0f);
+    next_h_post.assign(h_pre.size(), 0.0f);
+    next_h_res.assign(h_res.size(), 0.0f);
+    post_dh_post.assign(h_pre.size(), 0.0f);
+    post_dh_res.assign(h_res.size(), 0.0f);
 
     x.randomize(noise);
     layer_out.randomize(noise);  // stands in for F(layer_in)
@@ -186,8 +214,49 @@ struct Workspace {
             mhc::TensorRef(alpha.data(), {3}), mhc::TensorRef(bias.data(), {N})};
   }
 
+  mhc::ParamGrads grads() {
+    return {mhc::MutableTensorRef(d_norm_weight.data(), {M}),
+            mhc::MutableTensorRef(d_phi.data(), {M, N}), mhc::MutableTensorRef(d_alpha.data(), {3}),
+            mhc::MutableTensorRef(d_bias.data(), {N})};
+  }
+  mhc::PreForwardOutputs next_outputs() {
+    return {layer_in.ref({T, D}), mhc::MutableTensorRef(next_h_pre.data(), {T, n}),
+            mhc::MutableTensorRef(next_h_post.data(), {T, n}),
+            mhc::MutableTensorRef(next_h_res.data(), {T, n, n})};
+  }
+  // The post backward's outputs in the boundary cases: dx and the post_dh_* buffers.
+  mhc::PostBackwardOutputs boundary_post_outputs() {
+    return {dx.ref({T, n, D}), dlayer_out.ref({T, D}),
+            mhc::MutableTensorRef(post_dh_post.data(), {T, n}),
+            mhc::MutableTensorRef(post_dh_res.data(), {T, n, n})};
+  }
+
+  // Boundary cases: sublayer l's x, layer_out, h_post, h_res; the next sublayer's cotangents are
+  // dlayer_in, dx_partial, dh_post, dh_res; x_next lives in `out` and dx_next in `g`.
   void run(Op op) {
+    const mhc::TensorRef hp(h_post.data(), {T, n}), hr(h_res.data(), {T, n, n});
+    const mhc::TensorRef dhp(dh_post.data(), {T, n}), dhr(dh_res.data(), {T, n, n});
     switch (op) {
+      case Op::boundary_forward:
+        mhc::boundary_forward(config, x.ref({T, n, D}), layer_out.ref({T, D}), hp, hr, params(),
+                              out.ref({T, n, D}), next_outputs());
+        break;
+      case Op::two_calls_forward:
+        mhc::post_forward(config, x.ref({T, n, D}), layer_out.ref({T, D}), hp, hr,
+                          out.ref({T, n, D}));
+        mhc::pre_forward(config, out.ref({T, n, D}), params(), next_outputs());
+        break;
+      case Op::boundary_backward:
+        mhc::boundary_backward(config, dlayer_in.ref({T, D}), dx_partial.ref({T, n, D}), dhp, dhr,
+                               x.ref({T, n, D}), layer_out.ref({T, D}), hp, hr, params(),
+                               boundary_post_outputs(), grads());
+        break;
+      case Op::two_calls_backward:
+        mhc::pre_backward(config, dlayer_in.ref({T, D}), dx_partial.ref({T, n, D}), dhp, dhr,
+                          out.ref({T, n, D}), params(), g.ref({T, n, D}), grads());
+        mhc::post_backward(config, g.ref({T, n, D}), x.ref({T, n, D}), layer_out.ref({T, D}), hp,
+                           hr, boundary_post_outputs());
+        break;
       case Op::pre_forward:
         mhc::pre_forward(config, x.ref({T, n, D}), params(),
                          {layer_in.ref({T, D}), mhc::MutableTensorRef(h_pre.data(), {T, n}),
@@ -254,8 +323,12 @@ void BM_op(benchmark::State& state, Op op, Case c) {
   // At decode sizes the parameters dominate: phi is read by the pre operations, and dphi written
   // by pre_backward, once per call whatever T.
   const double phi_bytes = static_cast<double>(ws.M * ws.N * 4);
-  if (op == Op::pre_forward) bytes += phi_bytes;
-  if (op == Op::pre_backward) bytes += 2.0 * phi_bytes;
+  const bool pre_forward_inside =
+      op == Op::pre_forward || op == Op::boundary_forward || op == Op::two_calls_forward;
+  const bool pre_backward_inside =
+      op == Op::pre_backward || op == Op::boundary_backward || op == Op::two_calls_backward;
+  if (pre_forward_inside) bytes += phi_bytes;
+  if (pre_backward_inside) bytes += 2.0 * phi_bytes;
   set_traffic(state, bytes);
   if (g_copy_gbps > 0.0 && elapsed > 0.0) {
     const double gbps = bytes * static_cast<double>(state.iterations()) / elapsed / 1e9;
@@ -340,7 +413,17 @@ void register_all() {
   }
 
   // Grouped by case so that each case's buffers are built once.
+  const Op boundary_ops[] = {Op::boundary_forward, Op::two_calls_forward, Op::boundary_backward,
+                             Op::two_calls_backward};
   for (const Case& c : cases) {
+    for (Op op : boundary_ops) {
+      if (c.mix == mhc::Mix::permutations) continue;
+      const std::string name =
+          std::string(op_name(op)) + "/" + mhc::to_string(c.dtype) + "/D:" + std::to_string(c.dim);
+      benchmark::RegisterBenchmark(name.c_str(), BM_op, op, c)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime();
+    }
     for (Op op : ops) {
       const bool perm = c.mix == mhc::Mix::permutations;
       if (perm && op != Op::pre_forward && op != Op::pre_backward) continue;

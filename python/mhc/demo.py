@@ -1,7 +1,8 @@
 """Train a small byte-level transformer whose residual stream is mHC, on the CPU, end to end.
 
     python -m mhc.demo                       # defaults: ~3 minutes on 2 CPU cores
-    python -m mhc.demo --compare             # the same run with and without the fused kernels
+    python -m mhc.demo --compare             # the same run on the kernels (with and without the fused
+                                             # sublayer boundaries) and on plain JAX
     python -m mhc.demo --data my.txt --steps 2000 --residual mhc-lite
 
 Writes metrics (JSON, CSV), loss curves and the Amax gain per depth (PNG), and samples text.
@@ -64,6 +65,7 @@ class RunSpec:
     prompt: str
     data: str | None
     progress: bool = True
+    fuse_boundaries: bool = True  # each post fused with the next sublayer's pre (kernel path)
 
 
 def _batches(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator):
@@ -92,6 +94,7 @@ def train(spec: RunSpec) -> dict:
         residual=spec.residual,
         n=spec.n,
         use_kernel=spec.use_kernel,
+        fuse_boundaries=spec.fuse_boundaries,
     )
     model = Transformer(config, rngs=nnx.Rngs(spec.seed))
     optimizer = nnx.Optimizer(model, optax.adamw(spec.lr, weight_decay=0.01), wrt=nnx.Param)
@@ -237,11 +240,11 @@ def write_outputs(results: list[dict], out: Path) -> None:
 
 def print_summary(results: list[dict], out: Path) -> None:
     print()
-    print(f"{'run':12} {'residual':9} {'kernel':7} {'train loss':>10} {'val loss':>9} {'tokens/s':>10} {'peak MiB':>9}")
+    print(f"{'run':15} {'residual':9} {'kernel':7} {'train loss':>10} {'val loss':>9} {'tokens/s':>10} {'peak MiB':>9}")
     for run in results:
         spec = run["spec"]
         print(
-            f"{run['name']:12} {spec['residual']:9} {'yes' if spec['use_kernel'] else 'no':7} "
+            f"{run['name']:15} {spec['residual']:9} {'yes' if spec['use_kernel'] else 'no':7} "
             f"{run['final_train_loss']:10.3f} {run['final_val_loss']:9.3f} {run['tokens_per_s']:10,.0f} "
             f"{run['peak_rss_mib']:9.0f}"
         )
@@ -271,7 +274,11 @@ def main(argv=None) -> int:
         default=True,
         help="fused C++ kernels (default) or the plain-JAX path",
     )
-    parser.add_argument("--compare", action="store_true", help="run with and without the kernels")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="the same run on the kernels, on the kernels without the fused boundaries, and on plain JAX",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=50)
@@ -306,7 +313,11 @@ def main(argv=None) -> int:
         progress=not args.no_progress,
     )
     if args.compare:
-        specs = [RunSpec(name="kernel", use_kernel=True, **base), RunSpec(name="plain-jax", use_kernel=False, **base)]
+        specs = [
+            RunSpec(name="kernel", use_kernel=True, **base),
+            RunSpec(name="kernel-unfused", use_kernel=True, fuse_boundaries=False, **base),
+            RunSpec(name="plain-jax", use_kernel=False, **base),
+        ]
         results = [_train_in_subprocess(spec) for spec in specs]
     else:
         name = (

@@ -30,6 +30,7 @@ class ModelConfig:
     residual: str = "mhc"  # plain | mhc (Sinkhorn) | mhc-lite (permutations)
     n: int = 4  # streams of the mHC residual
     use_kernel: bool = True  # fused C++ kernels, or the plain-JAX reference path
+    fuse_boundaries: bool = True  # each post fused with the next sublayer's pre, or run whole
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -71,6 +72,7 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(width, rngs=rngs)
         self.mlp = MLP(width, config.mlp_ratio, rngs=rngs)
         self.plain = config.residual == "plain"
+        self.fuse_boundaries = config.fuse_boundaries
         if not self.plain:
             hc = config.mhc_config()
             self.attn_hc = ManifoldConstrainedHyperConnections(hc, width, use_kernel=config.use_kernel, rngs=rngs)
@@ -83,6 +85,9 @@ class Block(nnx.Module):
         if self.plain:
             x = x + self.attn(self.attn_norm(x))
             return x + self.mlp(self.mlp_norm(x))
+        if not self.fuse_boundaries:
+            x = self.attn_hc(self.attn_norm, self.attn, x)
+            return self.mlp_hc(self.mlp_norm, self.mlp, x)
         state = self.attn_hc.chain(self.attn_norm, self.attn, x)
         return self.mlp_hc.chain(self.mlp_norm, self.mlp, state)
 
