@@ -396,15 +396,17 @@ struct BoundaryTiles {
   void prepare(int64_t tile_tokens, int states) {
     thread_local std::vector<X> storage;
     tile = tile_tokens;
-    staging = workspace(storage, static_cast<size_t>(2 * states * tile * M));
+    staging = workspace(storage, static_cast<size_t>(int64_t{2} * states * tile * M));
   }
   const X* x_tile(int64_t t0, int64_t tokens, int state) const {
-    X* x_next = staging + 2 * state * tile * M;
+    X* x_next = staging + int64_t{2} * state * tile * M;
     post_forward_tokens(x + t0 * M, layer_out + t0 * D, h_post + t0 * n, h_res + t0 * n * n, n, D,
                         0, tokens, x_next);
     return x_next;
   }
-  X* dx_tile(int64_t /*t0*/, int state) const { return staging + (2 * state + 1) * tile * M; }
+  X* dx_tile(int64_t /*t0*/, int state) const {
+    return staging + (int64_t{2} * state + 1) * tile * M;
+  }
   void consume(int64_t t0, int64_t begin, int64_t end, int state) const {
     post_backward_tokens(dx_tile(t0, state), x + t0 * M, layer_out + t0 * D, h_post + t0 * n,
                          h_res + t0 * n * n, n, D, begin, end,
