@@ -30,4 +30,4 @@ echo "== ThreadSanitizer (thread pool, determinism, multithreaded kernels)"
 CXX=clang++ cmake -S . -B build-tsan -DMHC_SANITIZE=thread "${common[@]}" > /dev/null
 cmake --build build-tsan -j "$jobs" --target mhc_tests > /dev/null
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ./build-tsan/mhc_tests --gtest_brief=1 \
-  --gtest_filter='*Determinism*:Threads.*:*n4_D130_T257*:*NonFinite*'
+  --gtest_filter='*Determinism*:Threads.*:*n4_D130_T257*:*NonFinite*:*BoundaryVsSeparate*sinkhorn_n4_D4096_T37_bf16*:*BoundaryVsSeparate*sinkhorn_n4_D130_T4096_f32*'

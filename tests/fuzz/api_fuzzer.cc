@@ -84,7 +84,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   const int64_t T = data.ConsumeIntegralInRange<int64_t>(0, 40);
   const mhc::DType x_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
   const mhc::DType lo_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
-  const int op = data.ConsumeIntegralInRange<int>(0, 7);
+  const int op = data.ConsumeIntegralInRange<int>(0, 9);
   config.tensor_parallel = data.ConsumeIntegralInRange<int64_t>(0, 4);
 
   // Shapes as the config implies (R, N computed only when n is in range, as a caller would);
@@ -135,6 +135,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
             config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
             v.make({T, n}, f32), v.make({T, n, n}, f32), x, v.make({T, N + 1}, f32), params,
             v.make({T, n, D}, x_dtype),
+            {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
+        break;
+      case 8:
+        mhc::boundary_forward(config, x, v.make({T, D}, lo_dtype), v.make({T, n}, f32),
+                              v.make({T, n, n}, f32), params, v.make({T, n, D}, x_dtype),
+                              {v.make({T, D}, x_dtype), v.make({T, n}, f32), v.make({T, n}, f32),
+                               v.make({T, n, n}, f32)});
+        break;
+      case 9:
+        mhc::boundary_backward(
+            config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
+            v.make({T, n, n}, f32), x, v.make({T, D}, lo_dtype), v.make({T, n}, f32),
+            v.make({T, n, n}, f32), params,
+            {v.make({T, n, D}, x_dtype), v.make({T, D}, lo_dtype), v.make({T, n}, f32),
+             v.make({T, n, n}, f32)},
             {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
         break;
       default:  // 3
