@@ -110,6 +110,7 @@ TileState make_tile_state(const detail::Dims& dims, int64_t tile, float* staging
 // previous sublayer's post and dx handed to its post_backward (BoundaryTiles).
 template <class X>
 struct MemoryTiles {
+  static constexpr bool kConsumes = false;  // consume() does nothing
   const X* x;
   X* dx;
   int64_t M;
@@ -290,7 +291,9 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
           const int64_t m_end = std::min(M, (range + 1) * row_blocks / row_tasks * kInputGradBlock);
           second_sweep(s, xf, dli, io.dx_tile(t0, 0), t0, tokens, chunk, m_begin, m_end);
         });
-        pool.parallel_for(tokens, workers, [&](int64_t t, int) { io.consume(t0, t, t + 1, 0); });
+        if constexpr (TileIO::kConsumes) {
+          pool.parallel_for(tokens, workers, [&](int64_t t, int) { io.consume(t0, t, t + 1, 0); });
+        }
       }
     }
   } else {
@@ -384,6 +387,7 @@ void run_any(const Config& config, const detail::Dims& dims, const TensorRef& dl
 // hold exactly what those operations would store (rounded to X) and read back.
 template <class X, class L>
 struct BoundaryTiles {
+  static constexpr bool kConsumes = true;
   const X* x;  // x of the post (sublayer l), [T, n, D]
   const L* layer_out;
   const float* h_post;
