@@ -111,6 +111,37 @@ MHC_API void boundary_backward(const Config& config, const TensorRef& next_dlaye
                                const TensorRef& h_res, const Params& next_params,
                                const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
 
+// DeepSeek-V4's head (spec: Head): after the last sublayer, a learned collapse of the n streams
+// into one, in place of a plain sum. Its parameters, f32, as V4 stores them: fn [n, M] (hc_head_fn,
+// one row per stream, not transposed), base [n] and scale [1].
+struct HeadParams {
+  TensorRef fn;
+  TensorRef base;
+  TensorRef scale;
+};
+
+// Their gradients, same shapes, f32; head_backward overwrites them.
+struct HeadGrads {
+  MutableTensorRef fn;
+  MutableTensorRef base;
+  MutableTensorRef scale;
+};
+
+// x [T, n, D] -> out [T, D] (x's dtype) and gates [T, n] f32:
+//   gates[t,k] = sigmoid(scale * r_t * sum_m x[t,m] fn[k,m] + base[k]) + pre_eps,
+//   out[t,d] = sum_k gates[t,k] x[t,k,d],
+// with r_t the unweighted RMS factor. It is pre_forward with only the pre columns (N = n, no
+// H_post or H_res), run by the same kernels. From the config it uses n, dim, rms_eps and
+// pre_eps; tensor_parallel must be 1 (gather D before the head).
+MHC_API void head_forward(const Config& config, const TensorRef& x, const HeadParams& params,
+                          const MutableTensorRef& out, const MutableTensorRef& gates);
+
+// dout [T, D] (x's dtype) -> dx [T, n, D] and the parameter gradients, recomputing the gates
+// from x (pre_backward's kernels with N = n).
+MHC_API void head_backward(const Config& config, const TensorRef& dout, const TensorRef& x,
+                           const HeadParams& params, const MutableTensorRef& dx,
+                           const HeadGrads& grads);
+
 // Tensor parallelism: D split into config.tensor_parallel equal slices, one per device.
 //
 // Each device holds its slice of every stream, x [T, n, Dl] with Dl = D / tensor_parallel, the

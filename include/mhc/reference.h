@@ -71,6 +71,25 @@ MHC_API BoundaryBackward boundary_backward(const Config& config, const Vec& next
                                            const Vec& layer_out, const Vec& h_post,
                                            const Vec& h_res, const Params& next_params);
 
+// DeepSeek-V4's head (spec: Head). fn [n, M], base [n], scale [1].
+struct HeadParams {
+  Vec fn;
+  Vec base;
+  Vec scale;
+};
+struct HeadForward {
+  Vec out;    // [T, D]
+  Vec gates;  // [T, n]
+};
+MHC_API HeadForward head_forward(const Config& config, const Vec& x, const HeadParams& params);
+
+struct HeadBackward {
+  Vec dx;  // [T, n, D]
+  HeadParams grads;
+};
+MHC_API HeadBackward head_backward(const Config& config, const Vec& dout, const Vec& x,
+                                   const HeadParams& params);
+
 // H_res of one token from its R residual logits (spec: Forward step 5).
 MHC_API Vec mix_matrix(const Config& config, const double* residual_logits);
 

@@ -1,4 +1,5 @@
-"""A Flax NNX layer: one mHC-wrapped sublayer, with the kernel switch of the original request."""
+"""Flax NNX layers: one mHC-wrapped sublayer, with the kernel switch of the original request, and
+DeepSeek-V4's head."""
 
 from __future__ import annotations
 
@@ -114,3 +115,26 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         if self.mesh is not None:
             return mhc_jax.sharded_post(layer_out, ctx, **axes)
         return mhc_jax.post(layer_out, ctx)
+
+
+class Head(nnx.Module):
+    """DeepSeek-V4's head: the learned collapse of the n streams [..., n, D] into one [..., D]
+    after the last sublayer (``mhc.jax.head``; spec: Head), in place of ``mhc.jax.reduce``.
+
+    Parameters as V4 stores them: fn [n, n*D], base [n], scale [1] (``mhc.jax.HeadParams``).
+    ``use_kernel`` as for ``ManifoldConstrainedHyperConnections``.
+    """
+
+    def __init__(self, config: mhc_jax.Config, dim: int, *, use_kernel: bool = True, rngs: nnx.Rngs):
+        initial = mhc_jax.init_head_params(rngs.params(), config, dim)
+        self.config = config
+        self.use_kernel = use_kernel
+        self.fn = nnx.Param(initial.fn)
+        self.base = nnx.Param(initial.base)
+        self.scale = nnx.Param(initial.scale)
+
+    def params(self) -> mhc_jax.HeadParams:
+        return mhc_jax.HeadParams(self.fn[...], self.base[...], self.scale[...])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return mhc_jax.head(x, self.params(), self.config, use_kernel=self.use_kernel)

@@ -305,4 +305,81 @@ BoundaryBackward boundary_backward(const Config& config, const Vec& next_dlayer_
                           std::move(next.grads)};
 }
 
+namespace {
+// One token of the head up to the gates: r, the projections p_k = sum_m x_m fn[k, m] and the
+// sigmoids s_k (gates = s + pre_eps).
+struct HeadToken {
+  double r;
+  Vec p, s;
+};
+
+HeadToken head_token(const Config& config, const double* xt, const HeadParams& params) {
+  const int64_t n = config.n, M = flat_width(config);
+  double squares = 0.0;
+  for (int64_t m = 0; m < M; ++m) squares += xt[m] * xt[m];
+  HeadToken token{1.0 / std::sqrt(squares / static_cast<double>(M) + config.rms_eps),
+                  Vec(static_cast<size_t>(n)), Vec(static_cast<size_t>(n))};
+  for (int64_t k = 0; k < n; ++k) {
+    double dot = 0.0;
+    for (int64_t m = 0; m < M; ++m) dot += xt[m] * params.fn[k * M + m];
+    token.p[k] = dot;
+    token.s[k] = sigmoid(params.scale[0] * token.r * dot + params.base[k]);
+  }
+  return token;
+}
+}  // namespace
+
+HeadForward head_forward(const Config& config, const Vec& x, const HeadParams& params) {
+  const int64_t n = config.n, D = config.dim, M = n * D;
+  const int64_t T = static_cast<int64_t>(x.size()) / M;
+  HeadForward result{Vec(static_cast<size_t>(T * D)), Vec(static_cast<size_t>(T * n))};
+  for (int64_t t = 0; t < T; ++t) {
+    const HeadToken token = head_token(config, x.data() + t * M, params);
+    for (int64_t k = 0; k < n; ++k) {
+      const double gate = token.s[k] + config.pre_eps;
+      result.gates[t * n + k] = gate;
+      for (int64_t d = 0; d < D; ++d) result.out[t * D + d] += gate * x[t * M + k * D + d];
+    }
+  }
+  return result;
+}
+
+HeadBackward head_backward(const Config& config, const Vec& dout, const Vec& x,
+                           const HeadParams& params) {
+  const int64_t n = config.n, D = config.dim, M = n * D;
+  const int64_t T = static_cast<int64_t>(x.size()) / M;
+  HeadBackward result{Vec(static_cast<size_t>(T * M)),
+                      HeadParams{Vec(static_cast<size_t>(n * M)), Vec(static_cast<size_t>(n)),
+                                 Vec(1)}};
+  const double scale = params.scale[0];
+  for (int64_t t = 0; t < T; ++t) {
+    const double* xt = x.data() + t * M;
+    const double* g = dout.data() + t * D;
+    double* dxt = result.dx.data() + t * M;
+    const HeadToken token = head_token(config, xt, params);
+    // Through out = sum_k gate_k x_k, then gate_k = sigmoid(a_k) + pre_eps with
+    // a_k = scale * r * p_k + base_k; r = (sum x^2 / M + eps)^(-1/2), dr/dx_m = -r^3 x_m / M.
+    double dr = 0.0;
+    for (int64_t k = 0; k < n; ++k) {
+      double dgate = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        dgate += g[d] * xt[k * D + d];
+        dxt[k * D + d] += (token.s[k] + config.pre_eps) * g[d];
+      }
+      const double da = dgate * token.s[k] * (1.0 - token.s[k]);
+      result.grads.base[k] += da;
+      result.grads.scale[0] += da * token.r * token.p[k];
+      dr += da * scale * token.p[k];
+      const double dp = da * scale * token.r;
+      for (int64_t m = 0; m < M; ++m) {
+        dxt[m] += dp * params.fn[k * M + m];
+        result.grads.fn[k * M + m] += dp * xt[m];
+      }
+    }
+    const double r3 = token.r * token.r * token.r;
+    for (int64_t m = 0; m < M; ++m) dxt[m] -= dr * r3 * xt[m] / static_cast<double>(M);
+  }
+  return result;
+}
+
 }  // namespace mhc::reference

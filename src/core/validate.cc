@@ -84,6 +84,12 @@ void ArgumentChecker::grads(const ParamGrads& grads, const std::string& name) {
   output(name + ".bias", grads.bias, {dims_.N}, DType::f32);
 }
 
+void ArgumentChecker::head() {
+  dims_.pre_gates_only = true;
+  dims_.R = 0;
+  dims_.N = dims_.n;
+}
+
 void ArgumentChecker::check_view(const std::string& name, const TensorRef& view,
                                  const std::vector<int64_t>& expected, DType dtype, bool written) {
   bool same_shape = view.rank == static_cast<int>(expected.size());
@@ -301,6 +307,43 @@ Dims check_boundary_backward(const char* op, const Config& config, const TensorR
   check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
   check.output("dh_res", outputs.dh_res, {d.T, d.n, d.n}, DType::f32);
   check.grads(next_grads, "next_grads");
+  check.finish();
+  return check.dims();
+}
+
+Dims check_head_forward(const char* op, const Config& config, const TensorRef& x,
+                        const HeadParams& params, const MutableTensorRef& out,
+                        const MutableTensorRef& gates) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("an all-gather of D before the head (it has no split form)");
+  check.head();
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("params.fn", params.fn, {d.n, d.M}, DType::f32);
+  check.tensor("params.base", params.base, {d.n}, DType::f32);
+  check.tensor("params.scale", params.scale, {1}, DType::f32);
+  check.output("out", out, {d.T, d.D}, x.dtype);
+  check.output("gates", gates, {d.T, d.n}, DType::f32);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_head_backward(const char* op, const Config& config, const TensorRef& dout,
+                         const TensorRef& x, const HeadParams& params, const MutableTensorRef& dx,
+                         const HeadGrads& grads) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("an all-gather of D before the head (it has no split form)");
+  check.head();
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dout", dout, {d.T, d.D}, x.dtype);
+  check.tensor("params.fn", params.fn, {d.n, d.M}, DType::f32);
+  check.tensor("params.base", params.base, {d.n}, DType::f32);
+  check.tensor("params.scale", params.scale, {1}, DType::f32);
+  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
+  check.output("grads.fn", grads.fn, {d.n, d.M}, DType::f32);
+  check.output("grads.base", grads.base, {d.n}, DType::f32);
+  check.output("grads.scale", grads.scale, {1}, DType::f32);
   check.finish();
   return check.dims();
 }

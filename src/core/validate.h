@@ -22,6 +22,8 @@ struct Dims {
   int64_t M_full = 0;  // n * config.dim: the values one token's RMS averages over, all slices
   int64_t R = 0;       // residual logits
   int64_t N = 0;       // projection width 2n + R
+  // The head (mhc::head_forward): the pre operations with only the pre gates, N = n and R = 0.
+  bool pre_gates_only = false;
 };
 
 // Validates one call; every message starts with the operation's name. Construct it (checks the
@@ -46,6 +48,8 @@ class ArgumentChecker {
                            const std::string& prefix = "");
   void params(const Params& params, const std::string& name = "params");
   void grads(const ParamGrads& grads, const std::string& name = "grads");
+  // The head: only the pre gates, so N = n and R = 0 from here on.
+  void head();
   void finish() const;
 
   const Dims& dims() const { return dims_; }
@@ -97,6 +101,13 @@ Dims check_boundary_forward(const char* op, const Config& config, const TensorRe
                             const TensorRef& layer_out, const TensorRef& h_post,
                             const TensorRef& h_res, const Params& next_params,
                             const MutableTensorRef& x_next, const PreForwardOutputs& next);
+// The head's checks return Dims with pre_gates_only set (N = n, R = 0).
+Dims check_head_forward(const char* op, const Config& config, const TensorRef& x,
+                        const HeadParams& params, const MutableTensorRef& out,
+                        const MutableTensorRef& gates);
+Dims check_head_backward(const char* op, const Config& config, const TensorRef& dout,
+                         const TensorRef& x, const HeadParams& params, const MutableTensorRef& dx,
+                         const HeadGrads& grads);
 Dims check_boundary_backward(const char* op, const Config& config, const TensorRef& next_dlayer_in,
                              const TensorRef& next_dx_partial, const TensorRef& next_dh_post,
                              const TensorRef& next_dh_res, const TensorRef& x,

@@ -34,6 +34,20 @@ void pre_backward(const Config& config, const TensorRef& dlayer_in, const Tensor
   cpu::pre_backward(config, d, dlayer_in, dx_partial, dh_post, dh_res, x, params, dx, grads);
 }
 
+void head_forward(const Config& config, const TensorRef& x, const HeadParams& params,
+                  const MutableTensorRef& out, const MutableTensorRef& gates) {
+  const detail::Dims d =
+      detail::check_head_forward("mhc::head_forward", config, x, params, out, gates);
+  cpu::head_forward(config, d, x, params, out, gates);
+}
+
+void head_backward(const Config& config, const TensorRef& dout, const TensorRef& x,
+                   const HeadParams& params, const MutableTensorRef& dx, const HeadGrads& grads) {
+  const detail::Dims d =
+      detail::check_head_backward("mhc::head_backward", config, dout, x, params, dx, grads);
+  cpu::head_backward(config, d, dout, x, params, dx, grads);
+}
+
 void pre_forward_partials(const Config& config, const TensorRef& x, const TensorRef& norm_weight,
                           const TensorRef& phi, const MutableTensorRef& partials) {
   const detail::Dims d = detail::check_pre_forward_partials("mhc::pre_forward_partials", config, x,

@@ -30,18 +30,21 @@ void softmax(const double* logits, int64_t count, double* out) {
 int group_of(int64_t column, int64_t n) { return column < n ? 0 : (column < 2 * n ? 1 : 2); }
 }  // namespace
 
-TokenCoefficients::TokenCoefficients(const Config& config, const float* alpha, const float* bias)
+TokenCoefficients::TokenCoefficients(const Config& config, const float* alpha, const float* bias,
+                                     bool pre_gates_only)
     : config_(config),
       alpha_(alpha),
       bias_(bias),
+      pre_gates_only_(pre_gates_only),
       n_(config.n),
-      N_(projection_width(config)),
-      R_(residual_logits(config)),
+      N_(pre_gates_only ? config.n : projection_width(config)),
+      R_(pre_gates_only ? 0 : residual_logits(config)),
       logits_(static_cast<size_t>(N_)),
       softmax_(static_cast<size_t>(R_)),
       gradient_(static_cast<size_t>(R_ + n_ * n_)),
       dots_(static_cast<size_t>(n_)),
       dlogits_(static_cast<size_t>(N_)) {
+  if (pre_gates_only) return;
   if (config.mix == Mix::sinkhorn) {
     const int64_t steps = 2 * config.sinkhorn_iters - 1;
     steps_.resize(static_cast<size_t>(steps * n_ * n_));
@@ -61,6 +64,9 @@ void TokenCoefficients::forward(const float* P, double r, float* h_pre, float* h
   }
   for (int64_t k = 0; k < n_; ++k) {
     h_pre[k] = static_cast<float>(sigmoid(logits_[k]) + config_.pre_eps);
+  }
+  if (pre_gates_only_) return;
+  for (int64_t k = 0; k < n_; ++k) {
     h_post[k] = static_cast<float>(config_.post_scale * sigmoid(logits_[n_ + k]));
   }
   if (config_.mix == Mix::sinkhorn) {
@@ -118,13 +124,17 @@ void TokenCoefficients::backward(const float* P, double r, const double* dh_pre,
   for (int64_t k = 0; k < n; ++k) {
     const double s_pre = sigmoid(logits_[k]);
     da[k] = dh_pre[k] * s_pre * (1.0 - s_pre);
-    const double s_post = sigmoid(logits_[n + k]);
-    da[n + k] = dh_post[k] * double{config_.post_scale} * s_post * (1.0 - s_post);
   }
-  if (config_.mix == Mix::sinkhorn) {
-    sinkhorn_backward(dh_res, da + 2 * n);
-  } else {
-    permutations_backward(dh_res, da + 2 * n);
+  if (!pre_gates_only_) {
+    for (int64_t k = 0; k < n; ++k) {
+      const double s_post = sigmoid(logits_[n + k]);
+      da[n + k] = dh_post[k] * double{config_.post_scale} * s_post * (1.0 - s_post);
+    }
+    if (config_.mix == Mix::sinkhorn) {
+      sinkhorn_backward(dh_res, da + 2 * n);
+    } else {
+      permutations_backward(dh_res, da + 2 * n);
+    }
   }
   double dr_total = 0.0;
   for (int64_t c = 0; c < N_; ++c) {

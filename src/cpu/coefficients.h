@@ -23,14 +23,17 @@ inline double inverse_rms(double sum_of_squares, int64_t M, float rms_eps) {
 
 class TokenCoefficients {
  public:
-  TokenCoefficients(const Config& config, const float* alpha, const float* bias);
+  // pre_gates_only: DeepSeek-V4's head collapse (mhc::head_forward), N = n logits and only H_pre;
+  // forward() then leaves h_post and h_res alone and backward() reads only dh_pre.
+  TokenCoefficients(const Config& config, const float* alpha, const float* bias,
+                    bool pre_gates_only = false);
 
   // From P [N] and r: h_pre [n], h_post [n], h_res [n*n]. Keeps the logits and the Sinkhorn
   // history of this token for a following backward().
   void forward(const float* P, double r, float* h_pre, float* h_post, float* h_res);
 
   // After forward() on the same token: from dh_pre, dh_post, dh_res to dP [N] and dr; adds this
-  // token's terms to dalpha [3] and dbias [N].
+  // token's terms to dalpha [3] and dbias [N]. With pre_gates_only, dh_post and dh_res may be null.
   void backward(const float* P, double r, const double* dh_pre, const float* dh_post,
                 const float* dh_res, float* dP, double* dr, double* dalpha, double* dbias);
 
@@ -43,6 +46,7 @@ class TokenCoefficients {
   Config config_;
   const float* alpha_;
   const float* bias_;
+  bool pre_gates_only_;
   int64_t n_, N_, R_;
   std::vector<double> logits_;     // a [N]
   std::vector<double> softmax_;    // Sinkhorn: row softmax [n*n]; permutations: weights [R]

@@ -59,6 +59,14 @@ void pre_backward(const Config& config, const detail::Dims& dims, const TensorRe
                   const TensorRef& x, const Params& params, const MutableTensorRef& dx,
                   const ParamGrads& grads);
 
+// DeepSeek-V4's head: the pre operations with dims.pre_gates_only (mhc/ops.h).
+void head_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                  const HeadParams& params, const MutableTensorRef& out,
+                  const MutableTensorRef& gates);
+void head_backward(const Config& config, const detail::Dims& dims, const TensorRef& dout,
+                   const TensorRef& x, const HeadParams& params, const MutableTensorRef& dx,
+                   const HeadGrads& grads);
+
 // The fused boundary (mhc/ops.h).
 void boundary_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
                       const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,

@@ -181,7 +181,8 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   for (int w = 0; w < workers; ++w) {
     worker_states.push_back(WorkerState{std::vector<float>(static_cast<size_t>(n + n * n)),
                                         std::vector<double>(static_cast<size_t>(n)),
-                                        TokenCoefficients(config, alpha, bias)});
+                                        TokenCoefficients(config, alpha, bias,
+                                                          dims.pre_gates_only)});
   }
 
   // The coefficient sweep of token t of the tile from t0: r and P (recomputed or read), the
@@ -208,7 +209,10 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
     double* sums = s.token_sums.data() + t * (3 + N);
     std::fill_n(sums, 3 + N, 0.0);
     double dr = 0.0;
-    ws.coefficients.backward(P, r, ws.dh_pre.data(), dh_post + token * n, dh_res + token * n * n,
+    // The head (pre gates only) has no dh_post, dh_res (null).
+    const float* token_dh_post = dims.pre_gates_only ? nullptr : dh_post + token * n;
+    const float* token_dh_res = dims.pre_gates_only ? nullptr : dh_res + token * n * n;
+    ws.coefficients.backward(P, r, ws.dh_pre.data(), token_dh_post, token_dh_res,
                              s.dP.data() + t * N, &dr, sums, sums + 3);
     s.rms_term[t] = static_cast<float>(dr * r * r * r / static_cast<double>(dims.M_full));
   };
@@ -230,9 +234,13 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
     float* dxf = f32_target(dx, s.dx);
     for (int64_t t = 0; t < tokens; ++t) {
       float* dxt = dxf + t * M;
-      const X* partial = dx_partial + (t0 + t) * M;
-      const float* dxp = as_f32(partial + m_begin, m_end - m_begin, dxt + m_begin);
-      if (dxp != dxt + m_begin) std::copy(dxp, dxp + (m_end - m_begin), dxt + m_begin);
+      if (dx_partial == nullptr) {  // the head: dx has only the pre terms
+        std::fill(dxt + m_begin, dxt + m_end, 0.0f);
+      } else {
+        const X* partial = dx_partial + (t0 + t) * M;
+        const float* dxp = as_f32(partial + m_begin, m_end - m_begin, dxt + m_begin);
+        if (dxp != dxt + m_begin) std::copy(dxp, dxp + (m_end - m_begin), dxt + m_begin);
+      }
       for (int64_t k = m_begin / D; k * D < m_end; ++k) {
         const int64_t d0 = std::max(m_begin, k * D) - k * D;
         const int64_t d1 = std::min(m_end, (k + 1) * D) - k * D;

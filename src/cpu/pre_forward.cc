@@ -54,7 +54,7 @@ std::vector<PreScratch> make_scratch(const Config& config, const detail::Dims& d
         PreScratch{kWiden ? staging + w * stage : nullptr,
                    std::vector<float>(tile_buffers ? static_cast<size_t>(tile * dims.N) : 0),
                    std::vector<float>(kWiden ? static_cast<size_t>(dims.D) : 0),
-                   TokenCoefficients(config, alpha, bias)});
+                   TokenCoefficients(config, alpha, bias, dims.pre_gates_only)});
   }
   return scratch;
 }
@@ -78,7 +78,11 @@ void finish_token(const Config& config, const detail::Dims& dims, ProjectionSour
   }
   const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
   float* pre = h_pre + token * n;
-  s.coefficients.forward(P, r, pre, h_post + token * n, h_res + token * n * n);
+  if (dims.pre_gates_only) {  // the head: no h_post or h_res (null)
+    s.coefficients.forward(P, r, pre, nullptr, nullptr);
+  } else {
+    s.coefficients.forward(P, r, pre, h_post + token * n, h_res + token * n * n);
+  }
   float* li = f32_target(layer_in + token * D, s.layer_in.data());
   weighted_rows(xt, n, pre, D, li);
   store_from(li, layer_in + token * D, D);

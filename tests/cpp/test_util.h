@@ -65,7 +65,8 @@ reference::Params perturb_f32(std::mt19937_64& rng, const reference::Params& par
 
 // The ill-conditioned tensors, the only ones given the conditioning allowance below: dalpha (three
 // sums over all tokens of terms of both signs), a parameter gradient of at most 8 elements
-// (dnorm_weight, dphi or dbias at tiny n*D or N: each element such a sum as well), and every
+// (dnorm_weight, dphi or dbias at tiny n*D or N, and the head's dfn and dbase: each element such a
+// sum as well), the head's dscale (one such sum), and every
 // tensor of a problem with T * D <= 8 (a one-element layer_in or dlayer_out can be a cancelling
 // sum of n terms). Their norm can lie far below their terms, and no arithmetic that rounds its
 // intermediates to f32 meets a relative bound there.

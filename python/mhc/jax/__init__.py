@@ -27,10 +27,13 @@ from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at
 from mhc.jax._types import (
     Config,
     Context,
+    HeadParams,
     Params,
     Pending,
+    check_head_args,
     check_post_args,
     check_pre_args,
+    init_head_params,
     init_params,
 )
 
@@ -39,6 +42,9 @@ __all__ = [
     "Context",
     "Params",
     "init_params",
+    "HeadParams",
+    "init_head_params",
+    "head",
     "pre",
     "post",
     "boundary",
@@ -137,6 +143,18 @@ def expand(h: jax.Array, n: int) -> jax.Array:
 def reduce(x: jax.Array) -> jax.Array:
     """Sum the streams [..., n, D] back to [..., D]."""
     return x.sum(axis=-2, dtype=jnp.float32).astype(x.dtype)
+
+
+def head(x: jax.Array, params: HeadParams, config: Config, *, use_kernel: bool = True) -> jax.Array:
+    """DeepSeek-V4's learned collapse of the streams [..., n, D] into one [..., D] (spec: Head), in
+    place of ``reduce``: out = sum_k g_k x_k, g = sigmoid(scale * r * (x_flat . fn^T) + base) + pre_eps.
+
+    params: f32 ``HeadParams`` (fn [n, n*D], base [n], scale [1]); uses config.n, rms_eps and pre_eps.
+    """
+    if not use_kernel:
+        return reference.head(x, params, config)
+    check_head_args(x, params, config)
+    return _kernels.head(config, x, params)
 
 
 def _axes_tuple(axes) -> tuple:

@@ -80,6 +80,24 @@ def init_params(key: jax.Array, config: Config, d: int) -> Params:
     )
 
 
+class HeadParams(NamedTuple):
+    """DeepSeek-V4's head (spec: Head), f32, as V4 stores it: fn is [n, M], not transposed."""
+
+    fn: jax.Array  # [n, n*D]
+    base: jax.Array  # [n]
+    scale: jax.Array  # [1]
+
+
+def init_head_params(key: jax.Array, config: Config, d: int) -> HeadParams:
+    """scale 0.01, base 0, fn ~ N(0, 1/(n*D)): every gate starts near 1/2 (out ~ half the sum)."""
+    m = config.n * d
+    return HeadParams(
+        fn=jax.random.normal(key, (config.n, m), jnp.float32) / math.sqrt(m),
+        base=jnp.zeros((config.n,), jnp.float32),
+        scale=jnp.full((1,), 0.01, jnp.float32),
+    )
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -140,6 +158,23 @@ def check_pre_args(x, params: Params, config: Config) -> None:
             raise ValueError(
                 f"params.{name}: expected shape {shape} for n={n}, D={d}, mix={config.mix!r}, got {tuple(value.shape)}"
             )
+
+
+def check_head_args(x, params: HeadParams, config: Config) -> None:
+    if not isinstance(config, Config):
+        raise TypeError(f"config: expected mhc.jax.Config, got {type(config).__name__}")
+    if not isinstance(params, HeadParams):
+        raise TypeError(f"params: expected mhc.jax.HeadParams, got {type(params).__name__}")
+    check_activation("x", x)
+    if x.ndim < 2 or x.shape[-2] != config.n or x.shape[-1] < 1:
+        raise ValueError(f"x: expected shape [..., {config.n}, D] (config.n streams, D >= 1), got {tuple(x.shape)}")
+    n, m = config.n, config.n * x.shape[-1]
+    for name, shape in {"fn": (n, m), "base": (n,), "scale": (1,)}.items():
+        value = getattr(params, name)
+        if jnp.dtype(value.dtype) != jnp.dtype(jnp.float32):
+            raise TypeError(f"params.{name}: expected dtype float32, got {value.dtype}")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"params.{name}: expected shape {shape} for n={n}, D={x.shape[-1]}, got {tuple(value.shape)}")
 
 
 def check_post_args(layer_out, ctx: Context) -> None:

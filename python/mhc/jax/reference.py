@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc.jax._types import Config, Context, Params, check_post_args, check_pre_args
+from mhc.jax._types import Config, Context, HeadParams, Params, check_head_args, check_post_args, check_pre_args
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -83,3 +83,17 @@ def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     mixed = jnp.einsum("tij,tid->tjd", _tokens(ctx.h_res, 2), x, precision=_HIGHEST)
     out = mixed + _tokens(ctx.h_post, 1)[:, :, None] * _tokens(layer_out, 1).astype(jnp.float32)[:, None, :]
     return out.reshape(ctx.x.shape).astype(ctx.x.dtype)
+
+
+def head(x: jax.Array, params: HeadParams, config: Config) -> jax.Array:
+    """DeepSeek-V4's head [..., D] (x's dtype): sum_k g_k x_k with
+    g = sigmoid(scale * r * (x_flat . fn^T) + base) + pre_eps (spec: Head)."""
+    check_head_args(x, params, config)
+    n = config.n
+    tokens = _tokens(x, 2).astype(jnp.float32)
+    flat = tokens.reshape(tokens.shape[0], n * x.shape[-1])
+    r = jax.lax.rsqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + config.rms_eps)
+    projection = jnp.matmul(flat, params.fn.T, precision=_HIGHEST)
+    gates = jax.nn.sigmoid(params.scale[0] * (r * projection) + params.base) + config.pre_eps
+    out = jnp.einsum("tk,tkd->td", gates, tokens, precision=_HIGHEST)
+    return out.reshape(x.shape[:-2] + x.shape[-1:]).astype(x.dtype)
