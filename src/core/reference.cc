@@ -348,9 +348,9 @@ HeadBackward head_backward(const Config& config, const Vec& dout, const Vec& x,
                            const HeadParams& params) {
   const int64_t n = config.n, D = config.dim, M = n * D;
   const int64_t T = static_cast<int64_t>(x.size()) / M;
-  HeadBackward result{Vec(static_cast<size_t>(T * M)),
-                      HeadParams{Vec(static_cast<size_t>(n * M)), Vec(static_cast<size_t>(n)),
-                                 Vec(1)}};
+  HeadBackward result{
+      Vec(static_cast<size_t>(T * M)),
+      HeadParams{Vec(static_cast<size_t>(n * M)), Vec(static_cast<size_t>(n)), Vec(1)}};
   const double scale = params.scale[0];
   for (int64_t t = 0; t < T; ++t) {
     const double* xt = x.data() + t * M;

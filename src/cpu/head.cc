@@ -28,9 +28,9 @@ PreLayout pre_layout(const detail::Dims& dims, const HeadParams& head) {
   for (int64_t k = 0; k < n; ++k) {
     for (int64_t m = 0; m < M; ++m) layout.phi[static_cast<size_t>(m * n + k)] = fn[k * M + m];
   }
-  layout.params = Params{TensorRef(layout.norm_weight.data(), {M}),
-                         TensorRef(layout.phi.data(), {M, n}), TensorRef(layout.alpha, {3}),
-                         head.base};
+  layout.params =
+      Params{TensorRef(layout.norm_weight.data(), {M}), TensorRef(layout.phi.data(), {M, n}),
+             TensorRef(layout.alpha, {3}), head.base};
   return layout;
 }
 

@@ -179,10 +179,10 @@ void run(const Config& config, const detail::Dims& dims, const X* dlayer_in, con
   std::vector<WorkerState> worker_states;
   worker_states.reserve(static_cast<size_t>(workers));
   for (int w = 0; w < workers; ++w) {
-    worker_states.push_back(WorkerState{std::vector<float>(static_cast<size_t>(n + n * n)),
-                                        std::vector<double>(static_cast<size_t>(n)),
-                                        TokenCoefficients(config, alpha, bias,
-                                                          dims.pre_gates_only)});
+    worker_states.push_back(
+        WorkerState{std::vector<float>(static_cast<size_t>(n + n * n)),
+                    std::vector<double>(static_cast<size_t>(n)),
+                    TokenCoefficients(config, alpha, bias, dims.pre_gates_only)});
   }
 
   // The coefficient sweep of token t of the tile from t0: r and P (recomputed or read), the

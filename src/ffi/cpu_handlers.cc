@@ -176,6 +176,30 @@ ffi::Error BoundaryBackwardImpl(
   });
 }
 
+ffi::Error HeadForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer fn, ffi::AnyBuffer base,
+                           ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> result,
+                           ffi::Result<ffi::AnyBuffer> gates, MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::head_forward(make_config(xv, MHC_CONFIG_ARGS), xv,
+                      {in(fn, "fn"), in(base, "base"), in(scale, "scale")}, out(result, "out"),
+                      out(gates, "gates"));
+  });
+}
+
+ffi::Error HeadBackwardImpl(ffi::AnyBuffer dout, ffi::AnyBuffer x, ffi::AnyBuffer fn,
+                            ffi::AnyBuffer base, ffi::AnyBuffer scale,
+                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dfn,
+                            ffi::Result<ffi::AnyBuffer> dbase, ffi::Result<ffi::AnyBuffer> dscale,
+                            MHC_CONFIG_PARAMS) {
+  return guarded([&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::head_backward(make_config(xv, MHC_CONFIG_ARGS), in(dout, "dout"), xv,
+                       {in(fn, "fn"), in(base, "base"), in(scale, "scale")}, out(dx, "dx"),
+                       {out(dfn, "dfn"), out(dbase, "dbase"), out(dscale, "dscale")});
+  });
+}
+
 }  // namespace
 
 // x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
@@ -205,6 +229,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryForward, BoundaryForwardImpl,
 //   -> dx_partial, dlayer_out, dh_post, dh_res, dnorm_weight, dphi, dalpha, dbias
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryBackward, BoundaryBackwardImpl,
                               (handler_binding<12, 8>(ffi::Ffi::Bind())));
+
+// DeepSeek-V4's head: x, fn, base, scale -> out, gates
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcHeadForward, HeadForwardImpl,
+                              (handler_binding<4, 2>(ffi::Ffi::Bind())));
+// dout, x, fn, base, scale -> dx, dfn, dbase, dscale
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcHeadBackward, HeadBackwardImpl,
+                              (handler_binding<5, 4>(ffi::Ffi::Bind())));
 
 // Tensor-parallel split (D sliced across devices; mhc/ops.h):
 // x, norm_weight, phi -> partials
@@ -248,6 +279,8 @@ NB_MODULE(_mhc_cpu, module) {
     table["mhc_boundary_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryForward));
     table["mhc_boundary_backward"] =
         nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryBackward));
+    table["mhc_head_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcHeadForward));
+    table["mhc_head_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcHeadBackward));
     table["mhc_pre_forward_partials"] =
         nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardPartials));
     table["mhc_pre_forward_finish"] =

@@ -21,8 +21,8 @@ struct HeadCase {
 
 std::string head_case_name(const testing::TestParamInfo<HeadCase>& info) {
   const HeadCase& c = info.param;
-  return "n" + std::to_string(c.n) + "_D" + std::to_string(c.D) + "_T" + std::to_string(c.T) +
-         "_" + to_string(c.dtype);
+  return "n" + std::to_string(c.n) + "_D" + std::to_string(c.D) + "_T" + std::to_string(c.T) + "_" +
+         to_string(c.dtype);
 }
 
 std::vector<HeadCase> head_cases() {
@@ -59,7 +59,8 @@ struct HostHead {
         base(HostTensor::from(DType::f32, {config.n}, values.base)),
         scale(HostTensor::from(DType::f32, {1}, values.scale)) {}
   explicit HostHead(const Config& config)
-      : fn(DType::f32, {config.n, flat_width(config)}), base(DType::f32, {config.n}),
+      : fn(DType::f32, {config.n, flat_width(config)}),
+        base(DType::f32, {config.n}),
         scale(DType::f32, {1}) {}
   HeadParams view() const { return HeadParams{fn.ref(), base.ref(), scale.ref()}; }
   HeadGrads grads() { return HeadGrads{fn.mut(), base.mut(), scale.mut()}; }
@@ -133,24 +134,20 @@ TEST_P(HeadVsReference, ForwardAndBackward) {
     expect_matches(name, got.dtype(), got.to_double(), ref,
                    ill_conditioned(name, ref.size(), T, D) ? resample : nullptr, context);
   };
-  check("out", one.out, want.out, [&] {
-    return reference::head_forward(config, perturb_f32(rng, xd), moved()).out;
-  });
+  check("out", one.out, want.out,
+        [&] { return reference::head_forward(config, perturb_f32(rng, xd), moved()).out; });
   check("gates", one.gates, want.gates, nullptr);
   auto backward_moved = [&] {
-    return reference::head_backward(config, perturb_f32(rng, doutd), perturb_f32(rng, xd),
-                                    moved());
+    return reference::head_backward(config, perturb_f32(rng, doutd), perturb_f32(rng, xd), moved());
   };
   check("dx", one.dx, want_grad.dx, [&] { return backward_moved().dx; });
   check("dfn", one.grads.fn, want_grad.grads.fn, [&] { return backward_moved().grads.fn; });
-  check("dbase", one.grads.base, want_grad.grads.base,
-        [&] { return backward_moved().grads.base; });
+  check("dbase", one.grads.base, want_grad.grads.base, [&] { return backward_moved().grads.base; });
   check("dscale", one.grads.scale, want_grad.grads.scale,
         [&] { return backward_moved().grads.scale; });
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, HeadVsReference, testing::ValuesIn(head_cases()),
-                         head_case_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, HeadVsReference, testing::ValuesIn(head_cases()), head_case_name);
 
 // The head is the pre operation's gates alone: with phi = [fn^T | 0], alpha = (scale, 0, 0),
 // bias = [base | 0] and norm_weight = ones, pre_forward's layer_in and h_pre are the head's out
@@ -162,8 +159,10 @@ TEST(Head, IsThePreGatesAlone) {
   const int64_t T = 70, n = 4, D = 130, M = n * D, N = projection_width(config);
   std::mt19937_64 rng(fresh_seed());
   const reference::HeadParams values = random_head_params(rng, config);
-  reference::Params pre{Vec(static_cast<size_t>(M), 1.0), Vec(static_cast<size_t>(M * N), 0.0),
-                        {values.scale[0], 0.0, 0.0}, Vec(static_cast<size_t>(N), 0.0)};
+  reference::Params pre{Vec(static_cast<size_t>(M), 1.0),
+                        Vec(static_cast<size_t>(M * N), 0.0),
+                        {values.scale[0], 0.0, 0.0},
+                        Vec(static_cast<size_t>(N), 0.0)};
   for (int64_t k = 0; k < n; ++k) {
     pre.bias[k] = values.base[k];
     for (int64_t m = 0; m < M; ++m) pre.phi[m * N + k] = values.fn[k * M + m];
@@ -210,7 +209,9 @@ TEST(HeadErrors, NameTheArgument) {
       fwd, "out", "overlaps x");
   HostTensor bf16_dout(DType::bf16, {T, D});
   expect_error(
-      [&] { head_backward(config, bf16_dout.ref(), x.ref(), params.view(), dx.mut(), grads.grads()); },
+      [&] {
+        head_backward(config, bf16_dout.ref(), x.ref(), params.view(), dx.mut(), grads.grads());
+      },
       bwd, "dout", "expected dtype f32");
   HostTensor short_base(DType::f32, {n - 1});
   expect_error(

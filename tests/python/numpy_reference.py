@@ -149,3 +149,27 @@ def values(x, layer_out, params, config, dlayer_in, dout):
     layer_in, out = forward(x, layer_out, params, config)
     dx, dlo, dparams = backward(x, layer_out, params, config, dlayer_in, dout)
     return dict(zip(NAMES, (layer_in, out, dx, dlo, *dparams), strict=True))
+
+
+def head_values(x, head, config, dout):
+    """DeepSeek-V4's head (spec: Head) and its VJP at dout: (out [..., D], dx, dfn, dbase, dscale),
+    float64. head = (fn [n, M], base [n], scale [1])."""
+    fn, base, scale = (np.asarray(p, np.float64) for p in head)
+    n, d = x.shape[-2:]
+    x3 = np.asarray(x, np.float64).reshape(-1, n, d)
+    xf = x3.reshape(len(x3), n * d)
+    g = np.asarray(dout, np.float64).reshape(-1, d)
+    r = 1.0 / np.sqrt((xf * xf).mean(axis=1) + config.rms_eps)  # [T]
+    p = xf @ fn.T  # [T, n]
+    s = _sigmoid(scale[0] * r[:, None] * p + base)
+    out = np.einsum("tk,tkd->td", s + config.pre_eps, x3)
+    # Backward through out = sum_k gate_k x_k, gate = sigmoid(a) + pre_eps, a = scale r p + base.
+    da = np.einsum("td,tkd->tk", g, x3) * s * (1.0 - s)
+    dr = (da * scale[0] * p).sum(axis=1)
+    dp = da * scale[0] * r[:, None]
+    dx = (s + config.pre_eps)[:, :, None] * g[:, None, :]
+    dx = dx.reshape(len(x3), n * d) + dp @ fn - (dr * r**3 / (n * d))[:, None] * xf
+    dfn = dp.T @ xf
+    dbase = da.sum(axis=0)
+    dscale = np.array([(da * r[:, None] * p).sum()])
+    return out.reshape(x.shape[:-2] + (d,)), dx.reshape(x.shape), dfn, dbase, dscale

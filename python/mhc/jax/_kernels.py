@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mhc import _ffi  # noqa: F401  (registers the FFI targets)
+from mhc.jax import reference
 from mhc.jax._partitioning import Operation, apply
-from mhc.jax._types import Config, Params
+from mhc.jax._types import Config, HeadParams, Params
 
 _F32 = jnp.float32
 
@@ -90,6 +91,16 @@ def boundary_backward(config: Config, next_cotangents, x, layer_out, h_post, h_r
         _sds((t, n, n), _F32),
     ) + tuple(_sds(p.shape, _F32) for p in params)
     return _call("mhc_boundary_backward", config, types, *next_cotangents, x, layer_out, h_post, h_res, *params)
+
+
+def head_forward(config: Config, x, head: HeadParams):
+    t, n, d = x.shape
+    return _call("mhc_head_forward", config, (_sds((t, d), x.dtype), _sds((t, n), _F32)), x, *head)
+
+
+def head_backward(config: Config, dout, x, head: HeadParams):
+    types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in head)
+    return _call("mhc_head_backward", config, types, dout, x, *head)
 
 
 def pre_forward_partials(config: Config, slices: int, x, norm_weight, phi):
@@ -282,6 +293,40 @@ def _boundary_backward_local(config: Config, plan, *operands):
     return tuple(jax.lax.platform_dependent(cpu=fused, default=separate))
 
 
+def _head_forward_local(config: Config, plan, x, fn, base, scale):
+    """The head on this device's tokens (D whole: the head has no split form): the C++ kernel on
+    the CPU; elsewhere (no CUDA head kernel yet) the plain-JAX formulas."""
+    head = HeadParams(fn, base, scale)
+
+    def kernel():
+        lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        out, _ = head_forward(config, x.reshape(math.prod(lead), n, d), head)
+        return out.reshape(*lead, d)
+
+    return (jax.lax.platform_dependent(cpu=kernel, default=lambda: reference.head(x, head, config)),)
+
+
+def _head_backward_local(config: Config, plan, dout, x, fn, base, scale):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    valid = plan.valid_tokens(lead)
+    if valid is not None:  # rows XLA padded hold anything: keep them out of the parameter sums
+        dout, x = jnp.where(valid[..., None], dout, 0), jnp.where(valid[..., None, None], x, 0)
+    head = HeadParams(fn, base, scale)
+
+    def kernel():
+        t = math.prod(lead)
+        dx, *grads = head_backward(config, dout.reshape(t, d), x.reshape(t, n, d), head)
+        return (dx.reshape(x.shape), *grads)
+
+    def plain():
+        _, vjp = jax.vjp(lambda xs, p: reference.head(xs, p, config), x, head)
+        dx, grads = vjp(dout)
+        return (dx, *grads)
+
+    dx, *grads = jax.lax.platform_dependent(cpu=kernel, default=plain)
+    return (dx, *_psum_together(grads, plan.token_axes))
+
+
 _PARAMS = ("nd", "ndk", "a", "k")
 PRE_FORWARD = Operation(
     "pre_forward",
@@ -328,7 +373,35 @@ BOUNDARY_BACKWARD = Operation(
     local=_boundary_backward_local,
     primary=4,  # x
 )
-OPERATIONS = (PRE_FORWARD, PRE_BACKWARD, POST_FORWARD, POST_BACKWARD, BOUNDARY_FORWARD, BOUNDARY_BACKWARD)
+# The head: D written as "e" (gathered), fn [n, n*D] as "nf", scale [1] as "s".
+_HEAD_PARAMS = ("nf", "n", "s")
+HEAD_FORWARD = Operation(
+    "head_forward",
+    targets=("mhc_head_forward",),
+    operands=("Bne", *_HEAD_PARAMS),
+    results=("Be",),
+    local=_head_forward_local,
+    splits_features=False,
+)
+HEAD_BACKWARD = Operation(
+    "head_backward",
+    targets=("mhc_head_backward",),
+    operands=("Be", "Bne", *_HEAD_PARAMS),
+    results=("Bne", *_HEAD_PARAMS),
+    local=_head_backward_local,
+    primary=1,  # x
+    splits_features=False,
+)
+OPERATIONS = (
+    PRE_FORWARD,
+    PRE_BACKWARD,
+    POST_FORWARD,
+    POST_BACKWARD,
+    BOUNDARY_FORWARD,
+    BOUNDARY_BACKWARD,
+    HEAD_FORWARD,
+    HEAD_BACKWARD,
+)
 PARTITIONED_TARGETS = frozenset(target for operation in OPERATIONS for target in operation.targets)
 """Every FFI target the JAX package calls; tests check it covers every registered target."""
 
@@ -408,3 +481,22 @@ def _boundary_bwd(config, residuals, cotangents):
 
 
 boundary.defvjp(_boundary_fwd, _boundary_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def head(config: Config, x, params: HeadParams):
+    """DeepSeek-V4's head: x [..., n, D] -> [..., D]. The backward recomputes the gates from x."""
+    return apply(HEAD_FORWARD, config, _lead(x), x, *params)[0]
+
+
+def _head_fwd(config, x, params):
+    return head(config, x, params), (x, params)
+
+
+def _head_bwd(config, residuals, dout):
+    x, params = residuals
+    dx, dfn, dbase, dscale = apply(HEAD_BACKWARD, config, _lead(x), dout, x, *params)
+    return dx, HeadParams(dfn, dbase, dscale)
+
+
+head.defvjp(_head_fwd, _head_bwd)

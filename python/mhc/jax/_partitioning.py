@@ -6,7 +6,8 @@ function (which calls the FFI targets, and collectives where the math needs them
 of its operands and results, one letter per dimension:
 
 - ``B``: the token (leading) dimensions, any number of them: they keep whatever sharding x has;
-- ``d``: the features D: sharded over mesh axes that divide D (tensor parallelism), else gathered;
+- ``d``: the features D: sharded over mesh axes that divide D (tensor parallelism), else gathered
+  (always gathered for an operation with ``splits_features=False``, which writes D as ``e``);
 - any other letter (``n``, ``m``: the streams; ``k``: N; ``p``: N+1; ``a``: the three alphas):
   replicated, so a mesh axis on the streams axis is gathered.
 
@@ -101,6 +102,8 @@ class Operation:
     results: tuple
     local: Callable = dataclasses.field(compare=False)
     primary: int = 0  # the operand whose sharding decides the plan (one shaped like x)
+    # False for an operation without a split form (the head): D is gathered, never sharded.
+    splits_features: bool = True
 
     def rule(self, lead: int) -> tuple:
         """The Shardy rule: B -> b0 b1 ..., every other letter one factor; only B and d shard."""
@@ -134,7 +137,7 @@ def _plan(static: _Static, mesh, shape) -> Plan:
     sizes = tuple(shape.shape[:lead])
     splits = tuple(math.prod(mesh.shape[name] for name in _names(entry)) for entry in tokens)
     slices = math.prod(mesh.shape[name] for name in _names(features))
-    if shape.shape[-1] % slices:  # D does not divide: gather it
+    if shape.shape[-1] % slices or not static.operation.splits_features:  # gather D
         features, slices = None, 1
     if slices == 1:
         features = None

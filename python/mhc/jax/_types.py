@@ -174,7 +174,9 @@ def check_head_args(x, params: HeadParams, config: Config) -> None:
         if jnp.dtype(value.dtype) != jnp.dtype(jnp.float32):
             raise TypeError(f"params.{name}: expected dtype float32, got {value.dtype}")
         if tuple(value.shape) != shape:
-            raise ValueError(f"params.{name}: expected shape {shape} for n={n}, D={x.shape[-1]}, got {tuple(value.shape)}")
+            raise ValueError(
+                f"params.{name}: expected shape {shape} for n={n}, D={x.shape[-1]}, got {tuple(value.shape)}"
+            )
 
 
 def check_post_args(layer_out, ctx: Context) -> None:
