@@ -38,6 +38,8 @@ OPS = (
     "sublayer_fwd_bwd",
     "boundary_fwd",
     "boundary_fwd_bwd",
+    "head_fwd",
+    "head_fwd_bwd",
 )
 # The fused boundary (post of one sublayer, pre of the next): timed also as the two separate
 # kernel calls, reported as separate_ms.
@@ -78,6 +80,9 @@ def minimum_bytes(op: str, s: Shape, separate: bool = False) -> float:
     parameters["sublayer_fwd_bwd"] = 2 * parameters["pre_forward"] + parameters["pre_backward"]
     parameters["boundary_fwd"] = parameters["sublayer_fwd"]
     parameters["boundary_fwd_bwd"] = parameters["sublayer_fwd_bwd"]
+    # The head (spec: Head): fn [n, nD] read once forward, read once and dfn written backward.
+    head_fn = 4.0 * s.n * s.n * s.dim
+    parameters["head_fwd"], parameters["head_fwd_bwd"] = head_fn, 3 * head_fn
     per_token = {
         "pre_forward": (s.n + 1),
         "post_forward": (2 * s.n + 1),
@@ -92,6 +97,9 @@ def minimum_bytes(op: str, s: Shape, separate: bool = False) -> float:
     else:  # x_next written once, never read back; the backward recomputes it, never stores dx_next
         per_token["boundary_fwd"] = 2 * s.n + 2
         per_token["boundary_fwd_bwd"] = (2 * s.n + 2) + (3 * s.n + 3)
+    # Forward: read x, write out; backward: read x and dout, write dx (gates recomputed).
+    per_token["head_fwd"] = s.n + 1
+    per_token["head_fwd_bwd"] = (s.n + 1) + (2 * s.n + 1)
     return float(per_token[op] * s.dim * e * s.tokens) + parameters[op]
 
 
@@ -111,6 +119,11 @@ def flop_count(op: str, s: Shape) -> float:
     # The boundary's backward recomputes x_next: one more post forward.
     per_token["boundary_fwd"] = per_token["sublayer_fwd"]
     per_token["boundary_fwd_bwd"] = per_token["sublayer_fwd_bwd"] + per_token["post_forward"]
+    # The head: the projection with N = n columns, its gates and the collapse; the backward
+    # recomputes the projection and takes its two gradients.
+    head_projection = 2 * n * d * n
+    per_token["head_fwd"] = head_projection + 2 * n * d
+    per_token["head_fwd_bwd"] = 4 * head_projection + 8 * n * d
     return float(per_token[op] * s.tokens)
 
 
@@ -143,6 +156,7 @@ def _inputs(s: Shape, seed: int = 0):
             dlayer_in=normal(keys[4], (t, d)),
             h_post=h_post,
             h_res=h_res,
+            head_params=mj.init_head_params(keys[0], config, d)._replace(scale=jnp.array([0.9], jnp.float32)),
             dh_post=jax.random.normal(keys[7], (t, n)),
             dh_res=jax.random.normal(keys[8], (t, n, n)),
         ),
@@ -176,6 +190,14 @@ def _functions(op: str, use_kernel: bool, config, fused: bool = True):
         else:
             layer_in, next_ctx = mj.pre(mj.post(layer_out, ctx), params, config, use_kernel=use_kernel)
         return layer_in, next_ctx.x, next_ctx.h_post, next_ctx.h_res
+
+    def head(x, head_params):
+        return mj.head(x, head_params, config, use_kernel=use_kernel)
+
+    if op == "head_fwd":
+        return jax.jit(head), ("x", "head_params")
+    if op == "head_fwd_bwd":
+        return jax.jit(lambda x, hp, dout: jax.vjp(head, x, hp)[1](dout)), ("x", "head_params", "dlayer_in")
 
     boundary_inputs = ("x", "layer_out", "h_post", "h_res", "params")
     if op == "boundary_fwd":

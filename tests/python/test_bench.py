@@ -48,6 +48,11 @@ def test_byte_and_flop_counts_follow_the_spec():
     assert bench.minimum_bytes("boundary_fwd", s, separate=True) == (5 + 9) * 8 * 2 * 3 + phi
     assert bench.minimum_bytes("boundary_fwd_bwd", s) == (10 + 15) * 8 * 2 * 3 + 4 * phi
     assert bench.minimum_bytes("boundary_fwd_bwd", s, separate=True) == (5 + 9 + 14 + 13) * 8 * 2 * 3 + 4 * phi
+    # Head: (n+1)De forward, + (2n+1)De backward; fn [n, nD] read, and in the backward read again
+    # and dfn written.
+    head_fn = 4 * 4 * (4 * 8)
+    assert bench.minimum_bytes("head_fwd", s) == (4 + 1) * 8 * 2 * 3 + head_fn
+    assert bench.minimum_bytes("head_fwd_bwd", s) == (5 + 9) * 8 * 2 * 3 + 3 * head_fn
     assert bench.projection_width(4, "sinkhorn") == 24 and bench.projection_width(4, "permutations") == 32
     assert bench.flop_count("pre_forward", s) == (2 * 4 * 8 * 24 + 2 * 4 * 8) * 3
 
