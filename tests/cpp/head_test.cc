@@ -151,7 +151,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, HeadVsReference, testing::ValuesIn(head_cases()
 
 // The head is the pre operation's gates alone: with phi = [fn^T | 0], alpha = (scale, 0, 0),
 // bias = [base | 0] and norm_weight = ones, pre_forward's layer_in and h_pre are the head's out
-// and gates, bit for bit (the spec's "steps 1-4 and 6 with only the pre columns").
+// and gates (the spec's "steps 1-4 and 6 with only the pre columns"). Equal to f32 rounding, not
+// to the bit: the projection's micro-kernels block the columns by N, and a compiler may contract
+// a column's products differently in the N = n and the N = 2n + R code.
 TEST(Head, IsThePreGatesAlone) {
   Config config;
   config.n = 4;
@@ -167,15 +169,15 @@ TEST(Head, IsThePreGatesAlone) {
     pre.bias[k] = values.base[k];
     for (int64_t m = 0; m < M; ++m) pre.phi[m * N + k] = values.fn[k * M + m];
   }
-  const HostTensor x = HostTensor::from(DType::bf16, {T, n, D}, random_normal(rng, T * M));
-  HostTensor out(DType::bf16, {T, D}), gates(DType::f32, {T, n});
+  const HostTensor x = HostTensor::from(DType::f32, {T, n, D}, random_normal(rng, T * M));
+  HostTensor out(DType::f32, {T, D}), gates(DType::f32, {T, n});
   head_forward(config, x.ref(), HostHead(config, values).view(), out.mut(), gates.mut());
-  HostTensor layer_in(DType::bf16, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
+  HostTensor layer_in(DType::f32, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
       h_res(DType::f32, {T, n, n});
   pre_forward(config, x.ref(), HostParams(config, pre).view(),
               PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  EXPECT_TRUE(same_bits(out, layer_in));
-  EXPECT_TRUE(same_bits(gates, h_pre));
+  EXPECT_LE(relative_error(out.to_double(), layer_in.to_double()), 1e-6);
+  EXPECT_LE(relative_error(gates.to_double(), h_pre.to_double()), 1e-6);
 }
 
 TEST(HeadErrors, NameTheArgument) {

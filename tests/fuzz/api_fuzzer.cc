@@ -84,7 +84,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   const int64_t T = data.ConsumeIntegralInRange<int64_t>(0, 40);
   const mhc::DType x_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
   const mhc::DType lo_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
-  const int op = data.ConsumeIntegralInRange<int>(0, 9);
+  const int op = data.ConsumeIntegralInRange<int>(0, 11);
   config.tensor_parallel = data.ConsumeIntegralInRange<int64_t>(0, 4);
 
   // Shapes as the config implies (R, N computed only when n is in range, as a caller would);
@@ -151,6 +151,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
             {v.make({T, n, D}, x_dtype), v.make({T, D}, lo_dtype), v.make({T, n}, f32),
              v.make({T, n, n}, f32)},
             {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
+        break;
+      case 10:
+        mhc::head_forward(config, x, {v.make({n, M}, f32), v.make({n}, f32), v.make({1}, f32)},
+                          v.make({T, D}, x_dtype), v.make({T, n}, f32));
+        break;
+      case 11:
+        mhc::head_backward(config, v.make({T, D}, x_dtype), x,
+                           {v.make({n, M}, f32), v.make({n}, f32), v.make({1}, f32)},
+                           v.make({T, n, D}, x_dtype),
+                           {v.make({n, M}, f32), v.make({n}, f32), v.make({1}, f32)});
         break;
       default:  // 3
         mhc::pre_backward(
