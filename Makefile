@@ -38,7 +38,7 @@ consumer: build
 	@BUILD=$(BUILD) JOBS=$(JOBS) bash scripts/consumer_test.sh
 
 test-python: python
-	@$(PYTHON) -m pytest -q tests/python
+	@$(PYTHON) -m pytest -q -n $(JOBS) tests/python
 
 # The C++ tests under ASan + UBSan and under TSan (clang).
 sanitize: setup

@@ -48,4 +48,6 @@ echo "C++ core (src/):"
 
 echo "== Python coverage (coverage.py over tests/python)"
 rm -f .coverage .coverage.*
-"$venv/bin/python" -m pytest -q tests/python --cov --cov-report=term-missing --cov-fail-under="$min"
+# One pytest worker per core (pytest-xdist): much of the suite's time is JAX tracing and XLA
+# compilation on one thread, which a second worker overlaps (docs/performance.md, CI time).
+"$venv/bin/python" -m pytest -q -n "$jobs" tests/python --cov --cov-report=term-missing --cov-fail-under="$min"
