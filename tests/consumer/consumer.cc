@@ -153,6 +153,27 @@ int main(int argc, char** argv) {
   expect_close("pre_backward", "dalpha", dalpha, pre_back.grads.alpha);
   expect_close("pre_backward", "dbias", dbias, pre_back.grads.bias);
 
+  // ---- DeepSeek-V4's head, forward and backward ----
+  const Buffer head_fn = random_buffer(rng, size(n, M), 0.5f),
+               head_base = random_buffer(rng, size(n), 1.0f);
+  const Buffer head_scale{0.8f};
+  const mhc::HeadParams head{
+      {head_fn.data(), {n, M}}, {head_base.data(), {n}}, {head_scale.data(), {1}}};
+  const mhc::reference::HeadParams ref_head{widen(head_fn), widen(head_base), widen(head_scale)};
+  Buffer head_out(size(T, D)), gates(size(T, n));
+  mhc::head_forward(config, {x.data(), {T, n, D}}, head, {head_out.data(), {T, D}},
+                    {gates.data(), {T, n}});
+  expect_close("head_forward", "out", head_out,
+               mhc::reference::head_forward(config, widen(x), ref_head).out);
+  Buffer head_dx(size(T, n, D)), dfn(size(n, M)), dbase(size(n)), dscale(1);
+  mhc::head_backward(config, {dlayer_in.data(), {T, D}}, {x.data(), {T, n, D}}, head,
+                     {head_dx.data(), {T, n, D}},
+                     {{dfn.data(), {n, M}}, {dbase.data(), {n}}, {dscale.data(), {1}}});
+  const auto head_back =
+      mhc::reference::head_backward(config, widen(dlayer_in), widen(x), ref_head);
+  expect_close("head_backward", "dx", head_dx, head_back.dx);
+  expect_close("head_backward", "dfn", dfn, head_back.grads.fn);
+
   // ---- Errors: thrown in the library, caught here by type (needs mhc::Error's typeinfo) ----
   bool caught = false;
   try {
