@@ -270,6 +270,17 @@ MUTATIONS = (
             ),
         ),
     ),
+    Mutation(
+        "head_fn_untransposed",
+        "the head reads V4's fn [n, M] as if it were already phi [M, n]",
+        (
+            Edit(
+                "src/cpu/head.cc",
+                "layout.phi[static_cast<size_t>(m * n + k)] = fn[k * M + m]",
+                "layout.phi[static_cast<size_t>(m * n + k)] = fn[m * n + k]",
+            ),
+        ),
+    ),
 )
 
 
