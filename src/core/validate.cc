@@ -84,6 +84,15 @@ void ArgumentChecker::grads(const ParamGrads& grads, const std::string& name) {
   output(name + ".bias", grads.bias, {dims_.N}, DType::f32);
 }
 
+DType ArgumentChecker::post_inputs(const TensorRef& layer_out, const TensorRef& h_post,
+                                   const TensorRef& h_res) {
+  const DType lo_dtype = layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32;
+  tensor("layer_out", layer_out, {dims_.T, dims_.D}, lo_dtype);
+  tensor("h_post", h_post, {dims_.T, dims_.n}, DType::f32);
+  tensor("h_res", h_res, {dims_.T, dims_.n, dims_.n}, DType::f32);
+  return lo_dtype;
+}
+
 void ArgumentChecker::head() {
   dims_.pre_gates_only = true;
   dims_.R = 0;
@@ -158,10 +167,7 @@ Dims check_post_forward(const char* op, const Config& config, const TensorRef& x
   ArgumentChecker check(op, config);
   check.tokens("x", x);
   const Dims& d = check.dims();
-  check.tensor("layer_out", layer_out, {d.T, d.D},
-               layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32);
-  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
-  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  check.post_inputs(layer_out, h_post, h_res);
   check.output("out", out, {d.T, d.n, d.D}, x.dtype);
   check.finish();
   return check.dims();
@@ -173,11 +179,8 @@ Dims check_post_backward(const char* op, const Config& config, const TensorRef& 
   ArgumentChecker check(op, config);
   check.tokens("x", x);
   const Dims& d = check.dims();
-  const DType lo_dtype = layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32;
   check.tensor("g", g, {d.T, d.n, d.D}, x.dtype);
-  check.tensor("layer_out", layer_out, {d.T, d.D}, lo_dtype);
-  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
-  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  const DType lo_dtype = check.post_inputs(layer_out, h_post, h_res);
   check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
   check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);
   check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
@@ -272,10 +275,7 @@ Dims check_boundary_forward(const char* op, const Config& config, const TensorRe
   check.whole_dim("post_forward, then pre_forward_partials and pre_forward_finish");
   check.tokens("x", x);
   const Dims& d = check.dims();
-  check.tensor("layer_out", layer_out, {d.T, d.D},
-               layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32);
-  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
-  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  check.post_inputs(layer_out, h_post, h_res);
   check.params(next_params, "next_params");
   check.output("x_next", x_next, {d.T, d.n, d.D}, x.dtype);
   check.pre_forward_outputs(next, x.dtype, "next.");
@@ -293,14 +293,11 @@ Dims check_boundary_backward(const char* op, const Config& config, const TensorR
   check.whole_dim("pre_backward_partials and pre_backward_finish, then post_backward");
   check.tokens("x", x);
   const Dims& d = check.dims();
-  const DType lo_dtype = layer_out.dtype == DType::bf16 ? DType::bf16 : DType::f32;
   check.tensor("next_dlayer_in", next_dlayer_in, {d.T, d.D}, x.dtype);
   check.tensor("next_dx_partial", next_dx_partial, {d.T, d.n, d.D}, x.dtype);
   check.tensor("next_dh_post", next_dh_post, {d.T, d.n}, DType::f32);
   check.tensor("next_dh_res", next_dh_res, {d.T, d.n, d.n}, DType::f32);
-  check.tensor("layer_out", layer_out, {d.T, d.D}, lo_dtype);
-  check.tensor("h_post", h_post, {d.T, d.n}, DType::f32);
-  check.tensor("h_res", h_res, {d.T, d.n, d.n}, DType::f32);
+  const DType lo_dtype = check.post_inputs(layer_out, h_post, h_res);
   check.params(next_params, "next_params");
   check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
   check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);

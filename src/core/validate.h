@@ -48,6 +48,9 @@ class ArgumentChecker {
                            const std::string& prefix = "");
   void params(const Params& params, const std::string& name = "params");
   void grads(const ParamGrads& grads, const std::string& name = "grads");
+  // The post operations' inputs: layer_out [T, D] (f32 or bf16, its own dtype), h_post [T, n]
+  // and h_res [T, n, n] (f32). Returns layer_out's dtype, which dlayer_out shares.
+  DType post_inputs(const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res);
   // The head: only the pre gates, so N = n and R = 0 from here on.
   void head();
   void finish() const;
