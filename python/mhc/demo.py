@@ -1,9 +1,11 @@
 """Train a small byte-level transformer whose residual stream is mHC, on the CPU, end to end.
 
     python -m mhc.demo                       # defaults: ~3 minutes on 2 CPU cores
-    python -m mhc.demo --compare             # the same run on the kernels (with and without the fused
-                                             # sublayer boundaries) and on plain JAX
-    python -m mhc.demo --data my.txt --steps 2000 --residual mhc-lite
+    python -m mhc.demo --compare             # plain residual, hyper-connections, mHC and mHC-lite from
+                                             # one seed, deeper and narrower: ~3 minutes on 2 CPU cores
+    python -m mhc.demo --compare-paths       # the same mHC run on the kernels (with and without the
+                                             # fused sublayer boundaries) and on plain JAX
+    python -m mhc.demo --data my.txt --steps 2000 --residual mhc-lite --no-use-kernel
 
 Writes metrics (JSON, CSV), loss curves and the Amax gain per depth (PNG), and samples text.
 """
@@ -66,6 +68,7 @@ class RunSpec:
     data: str | None
     progress: bool = True
     fuse_boundaries: bool = True  # each post fused with the next sublayer's pre (kernel path)
+    collapse: str = "head"  # n streams -> one: DeepSeek-V4's learned head, or their sum
 
 
 def _batches(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator):
@@ -95,6 +98,7 @@ def train(spec: RunSpec) -> dict:
         n=spec.n,
         use_kernel=spec.use_kernel,
         fuse_boundaries=spec.fuse_boundaries,
+        collapse=spec.collapse,
     )
     model = Transformer(config, rngs=nnx.Rngs(spec.seed))
     optimizer = nnx.Optimizer(model, optax.adamw(spec.lr, weight_decay=0.01), wrt=nnx.Param)
@@ -146,6 +150,7 @@ def train(spec: RunSpec) -> dict:
         "final_train_loss": float(np.mean(losses[-max(1, min(20, len(losses))) :])),
         "final_val_loss": val_losses[-1][1],
         "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else float("nan"),
+        "step_ms": 1000.0 * timed_seconds / (spec.steps - 1) if spec.steps > 1 else float("nan"),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "amax_forward": forward_gain.tolist(),
         "amax_backward": backward_gain.tolist(),
@@ -185,7 +190,77 @@ def _train_in_subprocess(spec: RunSpec) -> dict:
         pool.join()
 
 
-def write_outputs(results: list[dict], out: Path) -> None:
+def _smoothed(values, window: int) -> np.ndarray:
+    """Trailing mean over up to `window` steps (the first steps average what there is)."""
+    cumulative = np.cumsum(np.concatenate([[0.0], values]))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(0, ends - window)
+    return (cumulative[ends] - cumulative[starts]) / (ends - starts)
+
+
+def _colors(results: list[dict]) -> dict:
+    """One color per run, the same in every panel."""
+    import matplotlib.pyplot as plt
+
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {run["name"]: cycle[i % len(cycle)] for i, run in enumerate(results)}
+
+
+def _plot_losses(ax, results: list[dict]) -> None:
+    colors = _colors(results)
+    window = max(1, min(len(r["losses"]) for r in results) // 20)
+    upper, lower = 0.0, np.inf
+    for run in results:
+        steps = np.arange(1, len(run["losses"]) + 1)
+        smoothed = _smoothed(run["losses"], window)
+        color = colors[run["name"]]
+        ax.plot(steps, run["losses"], color=color, alpha=0.15, lw=0.8)
+        ax.plot(steps, smoothed, color=color, lw=1.5, label=run["name"])
+        val_steps, val_loss = zip(*run["val_losses"], strict=True)
+        ax.plot(val_steps, val_loss, "o", color=color, ms=4, mec="black", mew=0.5)
+        upper = max(upper, smoothed[len(smoothed) // 10])
+        lower = min(lower, smoothed.min(), min(val_loss))
+    # The first tenth (the drop from ln 256) would flatten the differences that matter.
+    if len(results[0]["losses"]) >= 20:
+        ax.set_ylim(lower - 0.1 * (upper - lower), upper)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per byte)")
+    smoothing = f"mean of {window} steps; " if window > 1 else ""
+    ax.set_title(f"Training loss ({smoothing}dots: held-out)", fontsize="medium")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def _plot_amax(axes, results: list[dict]) -> None:
+    """Forward and backward Amax gain per depth on two axes; a log scale once a run exceeds 10."""
+    colors = _colors(results)
+    runs = [r for r in results if r["amax_forward"]]
+    largest = max([1.0] + [max(r["amax_forward"] + r["amax_backward"]) for r in runs])
+    smallest = min([1.0] + [min(r["amax_forward"] + r["amax_backward"]) for r in runs])
+    for run in runs:
+        depth = np.arange(1, len(run["amax_forward"]) + 1)
+        style = dict(color=colors[run["name"]], ms=3, label=run["name"])
+        axes[0].plot(depth, run["amax_forward"], "o-", **style)
+        axes[1].plot(depth, run["amax_backward"], "o-", **style)
+    for ax, title in zip(axes, ("forward (max row sum)", "backward (max column sum)"), strict=True):
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        if largest > 10.0:  # unconstrained hyper-connections grow by orders of magnitude
+            ax.set_yscale("log")
+            ax.set_ylim(min(0.5, 0.8 * smallest), 2.0 * largest)
+        else:
+            ax.ticklabel_format(axis="y", useOffset=False)
+            ax.set_ylim(0.0, max(2.0, 1.1 * largest))
+        ax.set_xlabel("sublayer depth")
+        ax.set_title(f"Amax gain, {title}", fontsize="medium")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("mean over tokens")
+    if runs:
+        axes[0].legend(fontsize="small")
+
+
+def write_outputs(results: list[dict], out: Path, comparison: bool = False) -> list[str]:
+    """metrics.json, metrics.csv, loss.png, amax_gain.png (and with `comparison`, comparison.png:
+    the three panels side by side); returns the names written."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.json").write_text(json.dumps({"runs": results}, indent=2))
     with open(out / "metrics.csv", "w", newline="") as handle:
@@ -202,97 +277,140 @@ def write_outputs(results: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in results:
-        steps = np.arange(1, len(run["losses"]) + 1)
-        (line,) = ax.plot(steps, run["losses"], alpha=0.5, lw=1, label=f"{run['name']} train")
-        val_steps, val_loss = zip(*run["val_losses"], strict=True)
-        ax.plot(val_steps, val_loss, "o-", color=line.get_color(), label=f"{run['name']} validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats per byte)")
-    ax.set_title("Training loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    _plot_losses(ax, results)
     fig.tight_layout()
     fig.savefig(out / "loss.png", dpi=120)
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 4), sharey=True)
-    for run in results:
-        if not run["amax_forward"]:
-            continue
-        depth = np.arange(1, len(run["amax_forward"]) + 1)
-        axes[0].plot(depth, run["amax_forward"], "o-", label=run["name"])
-        axes[1].plot(depth, run["amax_backward"], "o-", label=run["name"])
-    largest = max([1.0] + [max(r["amax_forward"] + r["amax_backward"]) for r in results if r["amax_forward"]])
-    for ax, title in zip(axes, ("forward (max row sum)", "backward (max column sum)"), strict=True):
-        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-        ax.ticklabel_format(axis="y", useOffset=False)
-        ax.set_ylim(0.0, max(2.0, 1.1 * largest))  # mHC keeps both near 1; HC without it can explode
-        ax.set_xlabel("sublayer depth")
-        ax.set_title(f"Amax gain, {title}")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("mean over tokens")
-    axes[0].legend()
+    _plot_amax(axes, results)
     fig.tight_layout()
     fig.savefig(out / "amax_gain.png", dpi=120)
     plt.close(fig)
+    written = ["metrics.json", "metrics.csv", "loss.png", "amax_gain.png"]
+
+    if comparison:
+        fig = plt.figure(figsize=(14, 4.2))
+        loss_ax = fig.add_subplot(1, 3, 1)
+        forward_ax = fig.add_subplot(1, 3, 2)
+        backward_ax = fig.add_subplot(1, 3, 3, sharey=forward_ax)
+        _plot_losses(loss_ax, results)
+        _plot_amax((forward_ax, backward_ax), results)
+        spec = results[0]["spec"]
+        fig.suptitle(
+            f"{spec['layers']} layers ({2 * spec['layers']} sublayers), width {spec['width']}, n = {spec['n']}, "
+            f"lr {spec['lr']:g}, {spec['steps']} steps of {spec['batch']}x{spec['seq_len']} bytes, seed {spec['seed']}",
+            fontsize="medium",
+        )
+        fig.tight_layout()
+        fig.savefig(out / "comparison.png", dpi=90)
+        plt.close(fig)
+        written.append("comparison.png")
+    return written
 
 
-def print_summary(results: list[dict], out: Path) -> None:
+def print_summary(results: list[dict], out: Path, written: list[str]) -> None:
+    """The table (each run's step time against the plain residual's, or the first run's), the
+    Amax gains at the last depth and the samples."""
+    reference = next((r for r in results if r["spec"]["residual"] == "plain"), results[0])
+    ratio_header = f"vs {reference['name']}"
     print()
-    print(f"{'run':15} {'residual':9} {'kernel':7} {'train loss':>10} {'val loss':>9} {'tokens/s':>10} {'peak MiB':>9}")
+    print(
+        f"{'run':15} {'residual':9} {'kernel':7} {'train loss':>10} {'val loss':>9} {'step ms':>8} "
+        f"{ratio_header:>14} {'tokens/s':>10} {'peak MiB':>9} {'Amax fwd':>9} {'Amax bwd':>9}"
+    )
     for run in results:
         spec = run["spec"]
+        ratio = run["step_ms"] / reference["step_ms"]
+        forward = f"{run['amax_forward'][-1]:9.3g}" if run["amax_forward"] else f"{'-':>9}"
+        backward = f"{run['amax_backward'][-1]:9.3g}" if run["amax_backward"] else f"{'-':>9}"
         print(
             f"{run['name']:15} {spec['residual']:9} {'yes' if spec['use_kernel'] else 'no':7} "
-            f"{run['final_train_loss']:10.3f} {run['final_val_loss']:9.3f} {run['tokens_per_s']:10,.0f} "
-            f"{run['peak_rss_mib']:9.0f}"
+            f"{run['final_train_loss']:10.3f} {run['final_val_loss']:9.3f} {run['step_ms']:8.1f} {ratio:13.2f}x "
+            f"{run['tokens_per_s']:10,.0f} {run['peak_rss_mib']:9.0f} {forward} {backward}"
         )
+    print("(Amax gains at the last sublayer; 'kernel' is the mHC sublayers' and the head's path)")
     for run in results:
-        if run["amax_forward"]:
-            print(
-                f"\n{run['name']}: Amax gain at the last depth: forward {run['amax_forward'][-1]:.3f}, "
-                f"backward {run['amax_backward'][-1]:.3f}"
-            )
         print(f"\n{run['name']} sample:\n{run['spec']['prompt']}{run['sample']}")
-    print(f"\nwrote {out}/metrics.json, metrics.csv, loss.png, amax_gain.png")
+    print(f"\nwrote {out}/{', '.join(written)}")
 
 
-def main(argv=None) -> int:
+# Defaults of the single run (about 3 minutes on 2 cores) and of --compare: deeper and narrower, at
+# a learning rate where unconstrained hyper-connections' Amax gain grows within a few minutes.
+SINGLE_DEFAULTS = dict(steps=250, batch=16, seq_len=128, width=128, layers=4, lr=3e-3)
+COMPARE_DEFAULTS = dict(steps=200, batch=8, seq_len=64, width=64, layers=8, lr=1e-2)
+COMPARE_RESIDUALS = ("plain", "hc", "mhc", "mhc-lite")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mhc.demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--n", type=int, default=4, help="streams of the mHC residual")
-    parser.add_argument("--residual", choices=("plain", "mhc", "mhc-lite"), default="mhc")
+
+    def sized(flag: str, kind, help_text: str):
+        key = flag[2:].replace("-", "_")
+        single, compare = SINGLE_DEFAULTS[key], COMPARE_DEFAULTS[key]
+        parser.add_argument(
+            flag, type=kind, default=None, help=f"{help_text} (default {single}; {compare} with --compare)"
+        )
+
+    sized("--steps", int, "training steps")
+    sized("--batch", int, "sequences per step")
+    sized("--seq-len", int, "bytes per sequence")
+    sized("--width", int, "model width D")
+    sized("--layers", int, "blocks (each an attention and an MLP sublayer)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--n", type=int, default=4, help="streams of the multi-stream residuals")
+    parser.add_argument(
+        "--residual",
+        choices=("plain", "hc", "mhc", "mhc-lite"),
+        default="mhc",
+        help="plain, unconstrained hyper-connections (hc), mHC (Sinkhorn) or mHC-lite (permutations)",
+    )
+    parser.add_argument(
+        "--collapse",
+        choices=("head", "sum"),
+        default="head",
+        help="n streams -> one at the end: DeepSeek-V4's learned head (default) or their plain sum",
+    )
     parser.add_argument(
         "--use-kernel",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="fused C++ kernels (default) or the plain-JAX path",
+        help="fused C++ kernels (default) or the plain-JAX path (--no-use-kernel)",
     )
-    parser.add_argument(
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument(
         "--compare",
         action="store_true",
-        help="the same run on the kernels, on the kernels without the fused boundaries, and on plain JAX",
+        help=f"train {', '.join(COMPARE_RESIDUALS)} from one seed, each in its own process (ignores --residual)",
     )
-    parser.add_argument("--lr", type=float, default=3e-3)
+    modes.add_argument(
+        "--compare-paths",
+        action="store_true",
+        help="the same mHC run on the kernels, on the kernels without the fused boundaries, and on plain JAX",
+    )
+    sized("--lr", float, "AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses")
     parser.add_argument("--eval-batches", type=int, default=4)
     parser.add_argument("--sample-bytes", type=int, default=200)
     parser.add_argument("--prompt", default="def ")
     parser.add_argument("--data", default=None, help="a text file to train on (default: Python's stdlib sources)")
     parser.add_argument("--out", default="demo_output", help="output folder")
     parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    defaults = COMPARE_DEFAULTS if args.compare else SINGLE_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.steps < 1 or args.batch < 1 or args.seq_len < 2:
         parser.error("--steps and --batch must be >= 1, --seq-len >= 2")
-    if args.compare and args.residual == "plain":
-        parser.error("--compare switches the mHC kernels: use --residual mhc or mhc-lite")
+    if args.compare_paths and args.residual not in ("mhc", "mhc-lite"):
+        parser.error("--compare-paths switches the mHC kernels: use --residual mhc or mhc-lite")
 
     base = dict(
         steps=args.steps,
@@ -302,7 +420,6 @@ def main(argv=None) -> int:
         layers=args.layers,
         heads=args.heads,
         n=args.n,
-        residual=args.residual,
         lr=args.lr,
         seed=args.seed,
         eval_every=args.eval_every,
@@ -311,22 +428,28 @@ def main(argv=None) -> int:
         prompt=args.prompt,
         data=args.data,
         progress=not args.no_progress,
+        collapse=args.collapse,
     )
     if args.compare:
+        specs = [RunSpec(name=kind, residual=kind, use_kernel=args.use_kernel, **base) for kind in COMPARE_RESIDUALS]
+        results = [_train_in_subprocess(spec) for spec in specs]
+    elif args.compare_paths:
         specs = [
-            RunSpec(name="kernel", use_kernel=True, **base),
-            RunSpec(name="kernel-unfused", use_kernel=True, fuse_boundaries=False, **base),
-            RunSpec(name="plain-jax", use_kernel=False, **base),
+            RunSpec(name="kernel", residual=args.residual, use_kernel=True, **base),
+            RunSpec(name="kernel-unfused", residual=args.residual, use_kernel=True, fuse_boundaries=False, **base),
+            RunSpec(name="plain-jax", residual=args.residual, use_kernel=False, **base),
         ]
         results = [_train_in_subprocess(spec) for spec in specs]
     else:
         name = (
-            args.residual if args.residual == "plain" else f"{args.residual}-{'kernel' if args.use_kernel else 'jax'}"
+            args.residual
+            if args.residual in ("plain", "hc")
+            else f"{args.residual}-{'kernel' if args.use_kernel else 'jax'}"
         )
-        results = [train(RunSpec(name=name, use_kernel=args.use_kernel, **base))]
+        results = [train(RunSpec(name=name, residual=args.residual, use_kernel=args.use_kernel, **base))]
     out = Path(args.out)
-    write_outputs(results, out)
-    print_summary(results, out)
+    written = write_outputs(results, out, comparison=args.compare)
+    print_summary(results, out, written)
     return 0
 
 

@@ -1,8 +1,19 @@
-"""A small decoder-only byte-level transformer whose residual stream is plain, mHC (Sinkhorn) or
-mHC-lite (permutations), for the demo and for experiments.
+"""A small DeepSeek-V4-shaped decoder-only byte-level transformer for the demo and for experiments,
+whose residual is one of four kinds (``ModelConfig.residual``):
 
-embedding -> expand to n streams -> L blocks (attention and MLP sublayers, each wrapped by
-ManifoldConstrainedHyperConnections) -> reduce -> final RMSNorm -> logits.
+- ``plain``: one residual stream, ``h + F(norm(h))``;
+- ``hc``: unconstrained dynamic hyper-connections (Zhu et al., 2024, arXiv 2409.19606), the
+  baseline that mHC fixes (``HyperConnections``, plain JAX);
+- ``mhc``: mHC, H_res doubly stochastic by Sinkhorn (``mhc.flax.ManifoldConstrainedHyperConnections``);
+- ``mhc-lite``: mHC with H_res a convex mix of permutations.
+
+With n streams (every kind but plain): embedding -> ``mhc.jax.expand`` to n streams -> L blocks of
+(attention sublayer, MLP sublayer), each sublayer wrapped by the residual's connections -> the
+collapse of the n streams into one (``ModelConfig.collapse``: DeepSeek-V4's learned head
+``mhc.flax.Head``, or the plain sum ``mhc.jax.reduce``) -> final RMSNorm -> logits.
+
+Every multi-stream kind exposes its H_res per sublayer through ``Transformer.residual_mixes`` (in the
+spec's orientation: first index input stream i, second output stream j), for the Amax gain.
 """
 
 from __future__ import annotations
@@ -15,9 +26,10 @@ import numpy as np
 from flax import nnx
 
 from mhc import jax as mhc_jax
-from mhc.flax import ManifoldConstrainedHyperConnections
+from mhc.flax import Head, ManifoldConstrainedHyperConnections
 
-RESIDUALS = ("plain", "mhc", "mhc-lite")
+RESIDUALS = ("plain", "hc", "mhc", "mhc-lite")
+COLLAPSES = ("head", "sum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,19 +39,77 @@ class ModelConfig:
     layers: int = 4
     heads: int = 4
     mlp_ratio: int = 4
-    residual: str = "mhc"  # plain | mhc (Sinkhorn) | mhc-lite (permutations)
-    n: int = 4  # streams of the mHC residual
-    use_kernel: bool = True  # fused C++ kernels, or the plain-JAX reference path
-    fuse_boundaries: bool = True  # each post fused with the next sublayer's pre, or run whole
+    residual: str = "mhc"  # plain | hc (unconstrained) | mhc (Sinkhorn) | mhc-lite (permutations)
+    n: int = 4  # streams of a multi-stream residual
+    collapse: str = "head"  # how n streams become one: V4's learned head, or their sum
+    use_kernel: bool = True  # fused C++ kernels (mHC sublayers and the head), or the plain-JAX path
+    fuse_boundaries: bool = True  # each mHC post fused with the next sublayer's pre, or run whole
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.residual!r}")
+        if self.collapse not in COLLAPSES:
+            raise ValueError(f"collapse: expected one of {COLLAPSES}, got {self.collapse!r}")
         if self.width % self.heads:
             raise ValueError(f"width: expected a multiple of heads={self.heads}, got {self.width}")
 
     def mhc_config(self) -> mhc_jax.Config:
-        return mhc_jax.Config(n=self.n, mix="sinkhorn" if self.residual == "mhc" else "permutations")
+        return mhc_jax.Config(n=self.n, mix="permutations" if self.residual == "mhc-lite" else "sinkhorn")
+
+
+class HyperConnections(nnx.Module):
+    """Dynamic hyper-connections (Zhu et al., 2024, arXiv 2409.19606) around one sublayer F: the
+    unconstrained baseline. Plain JAX (no kernel), same call as
+    ``ManifoldConstrainedHyperConnections``: ``layer(norm_fn, branch_fn, x)``.
+
+    Per token, with the streams x [n, D] and x_norm[k] = x[k] / sqrt(mean_d x[k, d]^2 + eps) (an
+    RMSNorm of each stream over D, without weight, where the paper has a LayerNorm):
+
+        H_pre[k]     = B_pre[k]     + s_mix  * tanh(x_norm[k] . w_pre)          [n]
+        H_post[j]    = B_post[j]    + s_post * tanh(x_norm[j] . w_post)         [n]
+        H_res[i, j]  = B_res[i, j]  + s_mix  * tanh(x_norm[i] . w_res[:, j])    [n, n]
+        layer_in     = sum_k H_pre[k] x[k]
+        out[j]       = sum_i H_res[i, j] x[i] + H_post[j] F(layer_in)
+
+    the paper's A_m = H_pre, B = H_post, A_r = H_res, in the spec's orientation (first index input
+    stream i, second output stream j). Initialized as the paper does: the static part B to the
+    identity-like connections (B_pre the one-hot of stream ``layer_index mod n``, B_post all ones,
+    B_res the identity), the dynamic projections w_pre [D], w_post [D], w_res [D, n] to zero and the
+    scales s_mix, s_post to 0.01. All are learned, and nothing bounds them: no Sinkhorn, no
+    sigmoid, so the product of the H_res over depth is free to grow (or shrink) in norm.
+    """
+
+    def __init__(self, n: int, dim: int, layer_index: int, *, rms_eps: float = 1e-6):
+        self.n = n
+        self.rms_eps = rms_eps
+        self.static_pre = nnx.Param(jax.nn.one_hot(layer_index % n, n, dtype=jnp.float32))
+        self.static_post = nnx.Param(jnp.ones((n,), jnp.float32))
+        self.static_res = nnx.Param(jnp.eye(n, dtype=jnp.float32))
+        self.dynamic_pre = nnx.Param(jnp.zeros((dim,), jnp.float32))
+        self.dynamic_post = nnx.Param(jnp.zeros((dim,), jnp.float32))
+        self.dynamic_res = nnx.Param(jnp.zeros((dim, n), jnp.float32))
+        self.scale_mix = nnx.Param(jnp.full((), 0.01, jnp.float32))
+        self.scale_post = nnx.Param(jnp.full((), 0.01, jnp.float32))
+        # Diagnostics hook: when set (outside jit), called with each call's H_res [..., n, n].
+        self.on_mix = None
+
+    def coefficients(self, x: jax.Array):
+        """(H_pre [..., n], H_post [..., n], H_res [..., n, n]) of the streams x [..., n, D], f32."""
+        x = x.astype(jnp.float32)
+        x_norm = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.rms_eps)
+        h_pre = self.static_pre[...] + self.scale_mix[...] * jnp.tanh(x_norm @ self.dynamic_pre[...])
+        h_post = self.static_post[...] + self.scale_post[...] * jnp.tanh(x_norm @ self.dynamic_post[...])
+        h_res = self.static_res[...] + self.scale_mix[...] * jnp.tanh(x_norm @ self.dynamic_res[...])
+        return h_pre, h_post, h_res
+
+    def __call__(self, norm_fn, branch_fn, x: jax.Array) -> jax.Array:
+        h_pre, h_post, h_res = self.coefficients(x)
+        if self.on_mix is not None:
+            self.on_mix(h_res)
+        layer_in = jnp.einsum("...k,...kd->...d", h_pre, x).astype(x.dtype)
+        layer_out = branch_fn(norm_fn(layer_in))
+        mixed = jnp.einsum("...ij,...id->...jd", h_res, x)
+        return (mixed + h_post[..., :, None] * layer_out[..., None, :]).astype(x.dtype)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -65,41 +135,56 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    """One attention sublayer and one MLP sublayer, each wrapped by the residual's connections.
+
+    ``rngs`` draws the sublayers' weights and ``mix_rngs`` the connections', so that every residual
+    kind built from one seed starts from the same attention and MLP weights.
+    """
+
+    def __init__(self, config: ModelConfig, index: int, *, rngs: nnx.Rngs, mix_rngs: nnx.Rngs):
         width = config.width
         self.attn_norm = nnx.RMSNorm(width, rngs=rngs)
         self.attn = CausalSelfAttention(width, config.heads, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(width, rngs=rngs)
         self.mlp = MLP(width, config.mlp_ratio, rngs=rngs)
-        self.plain = config.residual == "plain"
+        self.residual = config.residual
         self.fuse_boundaries = config.fuse_boundaries
-        if not self.plain:
-            hc = config.mhc_config()
-            self.attn_hc = ManifoldConstrainedHyperConnections(hc, width, use_kernel=config.use_kernel, rngs=rngs)
-            self.mlp_hc = ManifoldConstrainedHyperConnections(hc, width, use_kernel=config.use_kernel, rngs=rngs)
+        if config.residual == "hc":
+            self.attn_hc = HyperConnections(config.n, width, 2 * index)
+            self.mlp_hc = HyperConnections(config.n, width, 2 * index + 1)
+        elif config.residual != "plain":
+            hc, use_kernel = config.mhc_config(), config.use_kernel
+            self.attn_hc = ManifoldConstrainedHyperConnections(hc, width, use_kernel=use_kernel, rngs=mix_rngs)
+            self.mlp_hc = ManifoldConstrainedHyperConnections(hc, width, use_kernel=use_kernel, rngs=mix_rngs)
 
     def __call__(self, x):
-        """x: the hidden state [batch, seq, width] (plain), or for mHC the streams [batch, seq, n,
-        width] or the previous block's ``mhc.jax.Pending``, which this block returns in turn: each
-        post is fused with the next sublayer's pre (end the stack with ``mhc.jax.finish``)."""
-        if self.plain:
+        """x: the hidden state [batch, seq, width] (plain), or the streams [batch, seq, n, width]; for
+        mHC with fused boundaries also the previous block's ``mhc.jax.Pending``, which this block
+        returns in turn (each post fused with the next sublayer's pre; ``mhc.jax.finish`` ends it)."""
+        if self.residual == "plain":
             x = x + self.attn(self.attn_norm(x))
             return x + self.mlp(self.mlp_norm(x))
-        if not self.fuse_boundaries:
+        if self.residual == "hc" or not self.fuse_boundaries:
             x = self.attn_hc(self.attn_norm, self.attn, x)
             return self.mlp_hc(self.mlp_norm, self.mlp, x)
         state = self.attn_hc.chain(self.attn_norm, self.attn, x)
         return self.mlp_hc.chain(self.mlp_norm, self.mlp, state)
 
     def hyper_connections(self):
-        return [] if self.plain else [self.attn_hc, self.mlp_hc]
+        return [] if self.residual == "plain" else [self.attn_hc, self.mlp_hc]
 
 
 class Transformer(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.config = config
+        # Drawn first whatever the residual, so that the other weights come from the same stream.
+        mix_rngs = nnx.Rngs(rngs.params())
         self.embed = nnx.Embed(config.vocab, config.width, rngs=rngs)
-        self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.layers)])
+        self.blocks = nnx.List([Block(config, i, rngs=rngs, mix_rngs=mix_rngs) for i in range(config.layers)])
+        if config.residual != "plain" and config.collapse == "head":
+            self.collapse = Head(config.mhc_config(), config.width, use_kernel=config.use_kernel, rngs=mix_rngs)
+        else:
+            self.collapse = None
         self.final_norm = nnx.RMSNorm(config.width, rngs=rngs)
         self.head = nnx.Linear(config.width, config.vocab, use_bias=False, rngs=rngs)
 
@@ -113,11 +198,12 @@ class Transformer(nnx.Module):
             state = mhc_jax.expand(h, self.config.n)
             for block in self.blocks:
                 state = block(state)
-            h = mhc_jax.reduce(mhc_jax.finish(state))
+            streams = mhc_jax.finish(state)
+            h = mhc_jax.reduce(streams) if self.collapse is None else self.collapse(streams)
         return self.head(self.final_norm(h))
 
     def residual_mixes(self, tokens) -> np.ndarray:
-        """H_res of every mHC sublayer in depth order, [2L, batch*seq, n, n] (empty for plain)."""
+        """H_res of every sublayer in depth order, [2L, batch*seq, n, n] (empty for plain)."""
         layers = [hc for block in self.blocks for hc in block.hyper_connections()]
         if not layers:
             return np.zeros((0, 0, 0, 0))

@@ -1,0 +1,100 @@
+"""The model stack: the hyper-connections baseline against its documented formulas, its unconstrained
+H_res against mHC's doubly stochastic one, DeepSeek-V4's head in the stack, one seed for all kinds.
+(Training through the head, on both paths, is test_demo's.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mhc.flax import Head, ManifoldConstrainedHyperConnections
+from mhc.models import RESIDUALS, HyperConnections, ModelConfig, Transformer
+
+TINY = dict(width=16, layers=2, heads=2, n=4)
+
+
+def _randomize(module: nnx.Module, rng: np.random.Generator, scale: float = 0.5):
+    """Every parameter of `module` moved by a random amount, so no coefficient is at its initial value."""
+    for _path, variable in nnx.iter_graph(module):
+        if isinstance(variable, nnx.Param):
+            value = np.asarray(variable[...])
+            variable[...] = jnp.asarray(value + scale * rng.standard_normal(value.shape), jnp.float32)
+
+
+def test_hyper_connections_follow_their_formulas(seed):
+    rng = np.random.default_rng(seed)
+    n, dim, layer_index = 3, 8, 4
+    layer = HyperConnections(n, dim, layer_index)
+    np.testing.assert_array_equal(layer.static_pre[...], np.eye(n)[layer_index % n])
+    np.testing.assert_array_equal(layer.static_res[...], np.eye(n))
+    _randomize(layer, rng)
+    x = rng.standard_normal((5, n, dim)).astype(np.float32)
+    weight = rng.standard_normal((dim, dim)).astype(np.float32)
+    out = layer(lambda h: 2.0 * h, lambda h: jnp.tanh(h @ weight), jnp.asarray(x))
+
+    names = ("static_pre", "static_post", "static_res", "dynamic_pre", "dynamic_post", "dynamic_res")
+    p = {name: np.asarray(getattr(layer, name)[...], np.float64) for name in (*names, "scale_mix", "scale_post")}
+    x64 = x.astype(np.float64)
+    x_norm = x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-6)
+    h_pre = p["static_pre"] + p["scale_mix"] * np.tanh(x_norm @ p["dynamic_pre"])
+    h_post = p["static_post"] + p["scale_post"] * np.tanh(x_norm @ p["dynamic_post"])
+    h_res = p["static_res"] + p["scale_mix"] * np.tanh(x_norm @ p["dynamic_res"])
+    layer_out = np.tanh((2.0 * np.einsum("tk,tkd->td", h_pre, x64)) @ weight)
+    want = np.einsum("tij,tid->tjd", h_res, x64) + h_post[:, :, None] * layer_out[:, None, :]
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_hc_mixes_are_unconstrained_and_mhc_mixes_doubly_stochastic(seed):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((6, 4, 8)), jnp.float32)
+    layers = {"hc": HyperConnections(4, 8, 0)}
+    for residual in ("mhc", "mhc-lite"):
+        config = ModelConfig(**TINY, residual=residual).mhc_config()
+        layers[residual] = ManifoldConstrainedHyperConnections(config, 8, use_kernel=False, rngs=nnx.Rngs(seed))
+    column_error = {}
+    for residual, layer in layers.items():
+        _randomize(layer, rng)
+        mixes = []
+        layer.on_mix = mixes.append
+        layer(lambda h: h, lambda h: h, x)
+        (h_res,) = np.asarray(mixes)
+        assert h_res.shape == (6, 4, 4)
+        column_error[residual] = np.abs(h_res.sum(axis=-2) - 1.0).max()
+        if residual != "hc":
+            assert h_res.min() >= 0.0
+    assert column_error["mhc"] < 1e-4 and column_error["mhc-lite"] < 1e-5, column_error
+    assert column_error["hc"] > 0.1, column_error
+
+
+def test_every_residual_starts_from_the_same_sublayer_weights(seed):
+    def sublayer_weights(residual):
+        model = Transformer(ModelConfig(**TINY, residual=residual, use_kernel=False), rngs=nnx.Rngs(seed))
+        weights = [model.embed.embedding[...], model.head.kernel[...]]
+        for block in model.blocks:
+            weights += [block.attn.qkv.kernel[...], block.attn.out.kernel[...], block.mlp.up.kernel[...]]
+        return weights
+
+    plain = sublayer_weights("plain")
+    for residual in RESIDUALS[1:]:
+        for got, want in zip(sublayer_weights(residual), plain, strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("residual", ["hc", "mhc"])
+def test_the_head_collapses_the_streams_on_the_model_s_path(seed, residual):
+    for use_kernel in (True, False):
+        model = Transformer(ModelConfig(**TINY, residual=residual, use_kernel=use_kernel), rngs=nnx.Rngs(seed))
+        assert isinstance(model.collapse, Head) and model.collapse.use_kernel is use_kernel
+    assert Transformer(ModelConfig(**TINY, collapse="sum"), rngs=nnx.Rngs(seed)).collapse is None
+    assert Transformer(ModelConfig(**TINY, residual="plain"), rngs=nnx.Rngs(seed)).collapse is None
+
+
+def test_bad_configs_are_rejected():
+    with pytest.raises(ValueError, match="residual"):
+        ModelConfig(residual="hyper")
+    with pytest.raises(ValueError, match="collapse"):
+        ModelConfig(collapse="mean")
+    with pytest.raises(ValueError, match="width"):
+        ModelConfig(width=30, heads=4)
+    assert jax.tree.leaves(nnx.state(HyperConnections(2, 4, 0), nnx.Param))
