@@ -403,7 +403,9 @@ bool wide_projection() {
 }
 
 int64_t padded_width(int64_t N) {
-  const int64_t lanes = wide_projection() ? kLanes16 : kLanes;
+  // N <= 8 (the head's N = n, small n): one 8-lane vector, not half-empty 16-lane rows, which the
+  // 8-lane kernels would sweep as two vectors (twice the multiply-adds for the same sums).
+  const int64_t lanes = wide_projection() && N > kLanes ? kLanes16 : kLanes;
   return (N + lanes - 1) / lanes * lanes;
 }
 
