@@ -229,7 +229,8 @@ def check_head(seed):
 
     def loss(x, head, constrain):
         x = jax.lax.with_sharding_constraint(x, constrain) if constrain is not None else x
-        return jnp.sum(mj.head(x, head, config) * w[:, : x.shape[1]])
+        # Squares: a signed sum over the tokens can cancel far below its terms.
+        return jnp.sum(jnp.square(mj.head(x, head, config) - w[:, : x.shape[1]]))
 
     gradient = jax.value_and_grad(loss, argnums=(0, 1))
     cases = {
@@ -419,8 +420,11 @@ if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
     seed, partitioner = int(sys.argv[1]), sys.argv[2]
     jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
-    for mix in ("sinkhorn", "permutations"):
-        for dtype in (jnp.float32, jnp.bfloat16):
+    # GSPMD (deprecated in JAX, kept while this jax has it) runs every layout and check once, for
+    # Sinkhorn in f32; Shardy, the default, runs both mixes and both dtypes.
+    full = partitioner == "shardy"
+    for mix in ("sinkhorn", "permutations") if full else ("sinkhorn",):
+        for dtype in (jnp.float32, jnp.bfloat16) if full else (jnp.float32,):
             for label, (mesh_shape, names, spec) in LAYOUTS.items():
                 check(label, mesh_shape, names, spec, mix, dtype, seed)
         check_padded_and_gathered(mix, seed)
