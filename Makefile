@@ -44,7 +44,7 @@ test-python: python
 sanitize: setup
 	@bash scripts/sanitize.sh
 
-# libFuzzer over the public C++ API for FUZZ_SECONDS (default 60).
+# libFuzzer over the public C++ API for FUZZ_SECONDS (default 30).
 fuzz: setup
 	@bash scripts/fuzz.sh
 

@@ -23,10 +23,15 @@ cmake --build build-coverage -j "$jobs" --target mhc_tests > /dev/null
 find build-coverage -name '*.gcda' -delete  # count this run only
 # mhc_tests in $jobs shards at once (libgcov merges the counts under a file lock). mhc_large_tests
 # (> 2^31 elements, 11 GB) is left out: minutes when instrumented, for lines the others run too.
+# So are the largest shapes and the sweeps that repeat smaller cases (D = 1024, T = 4096, the
+# coefficient loops over many tokens, the thread-count sweep over mixes and dtypes): instrumented
+# they took over half of the run (176 s in all, 80 s without them on 2 cores) and covered no line
+# the rest misses (1840 of 1898 either way, 2026-12-01). make test-cpp and make sanitize run them.
+filter='-CoefficientTokenLoop.*:*T4096*:*D1024*:MixAndDtype/*'
 pids=()
 for ((shard = 0; shard < jobs; shard++)); do
-  GTEST_TOTAL_SHARDS=$jobs GTEST_SHARD_INDEX=$shard ./build-coverage/mhc_tests --gtest_brief=1 \
-    > "build-coverage/shard$shard.log" 2>&1 &
+  GTEST_FILTER=$filter GTEST_TOTAL_SHARDS=$jobs GTEST_SHARD_INDEX=$shard \
+    ./build-coverage/mhc_tests --gtest_brief=1 > "build-coverage/shard$shard.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -52,7 +52,8 @@ std::vector<BoundaryCase> boundary_cases() {
     cases.push_back({4, 4096, 37, Mix::sinkhorn, dtype, dtype});
     cases.push_back({3, 4096, 37, Mix::permutations, dtype, dtype});
     cases.push_back({8, 4096, 1, Mix::sinkhorn, dtype, dtype});
-    // T = 4096: many tiles and chunks.
+    // T = 257 and 4096: several tiles and chunks (257 is the sanitizers' multi-chunk case).
+    cases.push_back({4, 130, 257, Mix::sinkhorn, dtype, dtype});
     cases.push_back({4, 130, 4096, Mix::sinkhorn, dtype, dtype});
     cases.push_back({1, 33, 4096, Mix::sinkhorn, dtype, dtype});
     cases.push_back({3, 1, 4096, Mix::permutations, dtype, dtype});
