@@ -54,5 +54,5 @@ echo "C++ core (src/):"
 echo "== Python coverage (coverage.py over tests/python)"
 rm -f .coverage .coverage.*
 # One pytest worker per core (pytest-xdist): much of the suite's time is JAX tracing and XLA
-# compilation on one thread, which a second worker overlaps (docs/performance.md, CI time).
+# compilation on one thread, which a second worker overlaps (docs/performance.md, "CI time").
 "$venv/bin/python" -m pytest -q -n "$jobs" tests/python --cov --cov-report=term-missing --cov-fail-under="$min"
