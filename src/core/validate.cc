@@ -93,6 +93,18 @@ DType ArgumentChecker::post_inputs(const TensorRef& layer_out, const TensorRef& 
   return lo_dtype;
 }
 
+void ArgumentChecker::head_params(const HeadParams& params) {
+  tensor("params.fn", params.fn, {dims_.n, dims_.M}, DType::f32);
+  tensor("params.base", params.base, {dims_.n}, DType::f32);
+  tensor("params.scale", params.scale, {1}, DType::f32);
+}
+
+void ArgumentChecker::head_grads(const HeadGrads& grads) {
+  output("grads.fn", grads.fn, {dims_.n, dims_.M}, DType::f32);
+  output("grads.base", grads.base, {dims_.n}, DType::f32);
+  output("grads.scale", grads.scale, {1}, DType::f32);
+}
+
 void ArgumentChecker::head() {
   dims_.pre_gates_only = true;
   dims_.R = 0;
@@ -316,9 +328,7 @@ Dims check_head_forward(const char* op, const Config& config, const TensorRef& x
   check.head();
   check.tokens("x", x);
   const Dims& d = check.dims();
-  check.tensor("params.fn", params.fn, {d.n, d.M}, DType::f32);
-  check.tensor("params.base", params.base, {d.n}, DType::f32);
-  check.tensor("params.scale", params.scale, {1}, DType::f32);
+  check.head_params(params);
   check.output("out", out, {d.T, d.D}, x.dtype);
   check.output("gates", gates, {d.T, d.n}, DType::f32);
   check.finish();
@@ -334,13 +344,9 @@ Dims check_head_backward(const char* op, const Config& config, const TensorRef& 
   check.tokens("x", x);
   const Dims& d = check.dims();
   check.tensor("dout", dout, {d.T, d.D}, x.dtype);
-  check.tensor("params.fn", params.fn, {d.n, d.M}, DType::f32);
-  check.tensor("params.base", params.base, {d.n}, DType::f32);
-  check.tensor("params.scale", params.scale, {1}, DType::f32);
+  check.head_params(params);
   check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
-  check.output("grads.fn", grads.fn, {d.n, d.M}, DType::f32);
-  check.output("grads.base", grads.base, {d.n}, DType::f32);
-  check.output("grads.scale", grads.scale, {1}, DType::f32);
+  check.head_grads(grads);
   check.finish();
   return check.dims();
 }

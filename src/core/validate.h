@@ -53,6 +53,9 @@ class ArgumentChecker {
   DType post_inputs(const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res);
   // The head: only the pre gates, so N = n and R = 0 from here on.
   void head();
+  // The head's parameters (fn [n, M], base [n], scale [1]) and their gradients, f32.
+  void head_params(const HeadParams& params);
+  void head_grads(const HeadGrads& grads);
   void finish() const;
 
   const Dims& dims() const { return dims_; }

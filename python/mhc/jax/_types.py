@@ -135,12 +135,27 @@ def check_activation(name: str, array, expected_shape=None) -> None:
         raise ValueError(f"{name}: expected shape {tuple(expected_shape)}, got {tuple(array.shape)}")
 
 
-def check_pre_args(x, params: Params, config: Config) -> None:
+def _check_call(x, params, params_type, config: Config) -> None:
+    """The config and params types and x's dtype, as every operation checks them first."""
     if not isinstance(config, Config):
         raise TypeError(f"config: expected mhc.jax.Config, got {type(config).__name__}")
-    if not isinstance(params, Params):
-        raise TypeError(f"params: expected mhc.jax.Params, got {type(params).__name__}")
+    if not isinstance(params, params_type):
+        raise TypeError(f"params: expected mhc.jax.{params_type.__name__}, got {type(params).__name__}")
     check_activation("x", x)
+
+
+def _check_f32_params(params, expected: dict, context: str) -> None:
+    """Each field of params float32 with the shape in ``expected``; ``context`` names the sizes."""
+    for name, shape in expected.items():
+        value = getattr(params, name)
+        if jnp.dtype(value.dtype) != jnp.dtype(jnp.float32):
+            raise TypeError(f"params.{name}: expected dtype float32, got {value.dtype}")
+        if tuple(value.shape) != shape:
+            raise ValueError(f"params.{name}: expected shape {shape} for {context}, got {tuple(value.shape)}")
+
+
+def check_pre_args(x, params: Params, config: Config) -> None:
+    _check_call(x, params, Params, config)
     if x.ndim < 2:
         raise ValueError(f"x: expected shape [..., n, D] with rank >= 2, got {tuple(x.shape)}")
     n, d = x.shape[-2], x.shape[-1]
@@ -150,33 +165,15 @@ def check_pre_args(x, params: Params, config: Config) -> None:
         raise ValueError(f"x: expected D >= 1 in the last axis, got shape {tuple(x.shape)}")
     m, width = n * d, config.projection_width
     expected = {"norm_weight": (m,), "phi": (m, width), "alpha": (3,), "bias": (width,)}
-    for name, shape in expected.items():
-        value = getattr(params, name)
-        if jnp.dtype(value.dtype) != jnp.dtype(jnp.float32):
-            raise TypeError(f"params.{name}: expected dtype float32, got {value.dtype}")
-        if tuple(value.shape) != shape:
-            raise ValueError(
-                f"params.{name}: expected shape {shape} for n={n}, D={d}, mix={config.mix!r}, got {tuple(value.shape)}"
-            )
+    _check_f32_params(params, expected, f"n={n}, D={d}, mix={config.mix!r}")
 
 
 def check_head_args(x, params: HeadParams, config: Config) -> None:
-    if not isinstance(config, Config):
-        raise TypeError(f"config: expected mhc.jax.Config, got {type(config).__name__}")
-    if not isinstance(params, HeadParams):
-        raise TypeError(f"params: expected mhc.jax.HeadParams, got {type(params).__name__}")
-    check_activation("x", x)
+    _check_call(x, params, HeadParams, config)
     if x.ndim < 2 or x.shape[-2] != config.n or x.shape[-1] < 1:
         raise ValueError(f"x: expected shape [..., {config.n}, D] (config.n streams, D >= 1), got {tuple(x.shape)}")
-    n, m = config.n, config.n * x.shape[-1]
-    for name, shape in {"fn": (n, m), "base": (n,), "scale": (1,)}.items():
-        value = getattr(params, name)
-        if jnp.dtype(value.dtype) != jnp.dtype(jnp.float32):
-            raise TypeError(f"params.{name}: expected dtype float32, got {value.dtype}")
-        if tuple(value.shape) != shape:
-            raise ValueError(
-                f"params.{name}: expected shape {shape} for n={n}, D={x.shape[-1]}, got {tuple(value.shape)}"
-            )
+    n, d = config.n, x.shape[-1]
+    _check_f32_params(params, {"fn": (n, n * d), "base": (n,), "scale": (1,)}, f"n={n}, D={d}")
 
 
 def check_post_args(layer_out, ctx: Context) -> None:
