@@ -5,7 +5,11 @@
 //   as WholeSublayerVsReference does: the pre half sees x_next as the kernel stored it, the post
 //   backward sees dx_next as pre_backward stores it (a bf16 intermediate is rounded, which a
 //   reference of the unrounded chain would count as an error). f32 cases are also held to the
-//   unrounded float64 chain (reference::boundary_forward, boundary_backward).
+//   unrounded float64 chain (reference::boundary_forward, boundary_backward). That chain crosses
+//   x_next and dx_next, which the fused boundary stores in f32 like the separate calls do; where
+//   x_next comes from cancellation (|x_next| near sqrt(rms_eps) with n * D = 1, dx_next ~ 200) the
+//   f32 x_next alone moves dx_next by 2e-5 relative, so every chain tensor has the
+//   rounding-spread allowance (test_util.h, expect_matches), not only the ill-conditioned ones.
 // Outputs are poisoned with NaN before each call; the two sublayers have different parameters,
 // and h_post, h_res of sublayer l come from a real pre_forward (non-trivial coefficients).
 #include <gtest/gtest.h>
@@ -95,7 +99,15 @@ class BoundaryVsSeparate : public testing::TestWithParam<BoundaryCase> {
                     const std::function<Vec()>& resample) {
     expect_matches(name, got.dtype(), got.to_double(), want,
                    ill_conditioned(name, want.size(), T, GetParam().D) ? resample : nullptr,
-                   context());
+                   context(), name == "dx_next" ? rms_bound() : 1e-5);
+  }
+  double rms_bound() const { return rms_backward_f32_bound(GetParam().n, GetParam().D); }
+  // Against the unrounded chain: see the file comment.
+  void expect_close_to_chain(const std::string& name, const HostTensor& got, const Vec& want,
+                             const std::function<Vec()>& resample) {
+    const bool after_rms_backward = name == "dx_partial" || name == "dh_res";
+    expect_matches(name + " (unrounded chain)", got.dtype(), got.to_double(), want, resample,
+                   context(), after_rms_backward ? rms_bound() : 1e-5);
   }
   Vec perturb(const Vec& values) { return perturb_f32(rng, values); }
   reference::Params perturb(const reference::Params& p) { return perturb_f32(rng, p); }
@@ -229,9 +241,10 @@ TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
       return reference::boundary_forward(config, perturb(xv), perturb(lov), perturb(hpv),
                                          perturb(hrv), perturb(next_params));
     };
-    expect_close("layer_in", sep_li, chain.next.layer_in,
-                 [&] { return rerun_chain().next.layer_in; });
-    expect_close("h_res", sep_hres, chain.next.h_res, [&] { return rerun_chain().next.h_res; });
+    expect_close_to_chain("layer_in", sep_li, chain.next.layer_in,
+                          [&] { return rerun_chain().next.layer_in; });
+    expect_close_to_chain("h_res", sep_hres, chain.next.h_res,
+                          [&] { return rerun_chain().next.h_res; });
     const reference::BoundaryBackward back =
         reference::boundary_backward(config, dli, dxpv, dhpv, dhrv, xv, lov, hpv, hrv, next_params);
     auto rerun_back = [&] {
@@ -239,13 +252,14 @@ TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
                                           perturb(dhrv), perturb(xv), perturb(lov), perturb(hpv),
                                           perturb(hrv), perturb(next_params));
     };
-    expect_close("dx_partial", sep_dxp, back.post.dx_partial,
-                 [&] { return rerun_back().post.dx_partial; });
-    expect_close("dh_res", sep_dhr, back.post.dh_res, [&] { return rerun_back().post.dh_res; });
-    expect_close("dphi", sep_grads.phi, back.next_grads.phi,
-                 [&] { return rerun_back().next_grads.phi; });
-    expect_close("dalpha", sep_grads.alpha, back.next_grads.alpha,
-                 [&] { return rerun_back().next_grads.alpha; });
+    expect_close_to_chain("dx_partial", sep_dxp, back.post.dx_partial,
+                          [&] { return rerun_back().post.dx_partial; });
+    expect_close_to_chain("dh_res", sep_dhr, back.post.dh_res,
+                          [&] { return rerun_back().post.dh_res; });
+    expect_close_to_chain("dphi", sep_grads.phi, back.next_grads.phi,
+                          [&] { return rerun_back().next_grads.phi; });
+    expect_close_to_chain("dalpha", sep_grads.alpha, back.next_grads.alpha,
+                          [&] { return rerun_back().next_grads.alpha; });
   }
 }
 

@@ -136,7 +136,8 @@ class KernelsVsReference : public testing::TestWithParam<Case> {
                     const std::function<Vec()>& resample) {
     expect_matches(name, got.dtype(), got.to_double(), want,
                    ill_conditioned(name, want.size(), T, GetParam().D) ? resample : nullptr,
-                   describe(config, T, GetParam().x_dtype) + ", seed " + std::to_string(seed));
+                   describe(config, T, GetParam().x_dtype) + ", seed " + std::to_string(seed),
+                   name == "dx" ? rms_backward_f32_bound(GetParam().n, GetParam().D) : 1e-5);
   }
   Config config;
   int64_t T = 0;
