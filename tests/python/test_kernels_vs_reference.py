@@ -5,7 +5,8 @@ random cotangents. Bounds: f32 tensors (every parameter gradient, whatever the a
 tokens; a parameter gradient of at most 8 elements, each element such a sum) can cancel far below
 their terms, so a draw may miss a relative bound even with exact arithmetic on f32-rounded inputs:
 then the error must be within 32x of what rounding the inputs by one f32 unit moves the reference
-(conftest.assert_matches, the rule of the C++ tests)."""
+(conftest.assert_matches, the rule of the C++ tests). With one value per token (n = d = 1) dx is
+held to 1e-3: the RMS backward's two terms cancel in f32 (test_util.h, rms_backward_f32_bound)."""
 
 import jax
 import jax.numpy as jnp
@@ -69,4 +70,8 @@ def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
         # parameter gradient of at most 8 elements, every tensor when T * D <= 8.
         ill = name == "dalpha" or (name in PARAMETER_GRADIENTS and got.size <= 8) or tokens * d <= 8
         resample = (lambda name=name: perturbed(name)) if ill else None
+        if name == "dx" and n * d == 1:
+            # One value per token: the RMS backward's two terms cancel in f32 (test_util.h,
+            # rms_backward_f32_bound), so dx is held to 1e-3 there, as in the C++ suite.
+            tol = max(tol, 1e-3)
         assert_matches(name, got, want_values[name], tol, resample, f"(seed {seed})")
