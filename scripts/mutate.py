@@ -281,6 +281,17 @@ MUTATIONS = (
             ),
         ),
     ),
+    Mutation(
+        "boundary_recompute_first_tile_gates",
+        "the fused boundary backward recomputes every tile's x_next with the first tile's h_post, h_res",
+        (
+            Edit(
+                "src/cpu/pre_backward.cc",
+                "post_forward_tokens(x + t0 * M, layer_out + t0 * D, h_post + t0 * n, h_res + t0 * n * n, n, D,",
+                "post_forward_tokens(x + t0 * M, layer_out + t0 * D, h_post, h_res, n, D,",
+            ),
+        ),
+    ),
 )
 
 
