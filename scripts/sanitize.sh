@@ -1,14 +1,25 @@
 #!/usr/bin/env bash
-# The C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer (every test, two shards in
-# parallel), then the multithreaded paths under ThreadSanitizer. Any report fails the run.
+# The C++ tests under AddressSanitizer + UndefinedBehaviorSanitizer (two shards in parallel), which
+# also measure the C++ line coverage, then the multithreaded paths under ThreadSanitizer. Any
+# report fails the run, and so does line coverage of the core (src/) under MIN_COVERAGE percent
+# (default 85).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 jobs=$(nproc)
+min=${MIN_COVERAGE:-85}
 common=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DMHC_BUILD_BENCH=OFF -DMHC_BUILD_EXAMPLES=OFF -DMHC_WERROR=ON)
 
-echo "== AddressSanitizer + UndefinedBehaviorSanitizer"
-CXX=clang++ cmake -S . -B build-asan -DMHC_SANITIZE=address,undefined "${common[@]}" > /dev/null
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer, with C++ line coverage"
+# Coverage is clang's source-based kind (-fprofile-instr-generate), carried by the ASan build: a
+# separate gcov build and run of the same tests cost CI about 4 minutes (docs/performance.md, "CI
+# time"). It counts a line run when any instantiation of it ran (templates; the two target_clones
+# versions in vector_math.cc, of which a CPU runs one).
+profile=(-DCMAKE_CXX_FLAGS="-fprofile-instr-generate -fcoverage-mapping"
+  -DCMAKE_EXE_LINKER_FLAGS=-fprofile-instr-generate)
+CXX=clang++ cmake -S . -B build-asan -DMHC_SANITIZE=address,undefined "${common[@]}" "${profile[@]}" \
+  > /dev/null
 cmake --build build-asan -j "$jobs" --target mhc_tests > /dev/null
+rm -rf build-asan/profiles
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # Every case but the largest shapes and the sweeps that repeat smaller ones (D = 1024, T = 4096,
@@ -19,7 +30,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 asan_filter='-CoefficientTokenLoop.*:*T4096*:*D1024*:MixAndDtype/*'
 pids=()
 for shard in 0 1; do
-  GTEST_FILTER=$asan_filter GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard ./build-asan/mhc_tests \
+  GTEST_FILTER=$asan_filter GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard \
+    LLVM_PROFILE_FILE="build-asan/profiles/shard$shard.profraw" ./build-asan/mhc_tests \
     --gtest_brief=1 > "build-asan/shard$shard.log" 2>&1 &
   pids+=($!)
 done
@@ -32,6 +44,19 @@ if [ $status -ne 0 ]; then
   cat build-asan/shard*.log | grep -E -A20 "ERROR|runtime error|FAILED" | head -80
   exit 1
 fi
+
+# Excluded from the count: src/cuda/ (nvcc code, built only without sanitizers, run only on a GPU)
+# and src/ffi/ (XLA FFI handlers, built only into the Python extension; tests/python runs them
+# under coverage.py), neither of which is in mhc_tests; and the tests themselves.
+llvm-profdata-14 merge -sparse build-asan/profiles/*.profraw -o build-asan/coverage.profdata
+cov=(build-asan/mhc_tests -instr-profile=build-asan/coverage.profdata
+  -ignore-filename-regex="^(/usr/|$PWD/(tests|build-asan)/)")
+llvm-cov-14 report "${cov[@]}" | sed 's|'"$PWD"'/||'
+percent=$(llvm-cov-14 export -summary-only "${cov[@]}" "$PWD/src" | python3 -c \
+  'import json, sys; print(json.load(sys.stdin)["data"][0]["totals"]["lines"]["percent"])')
+echo "C++ core (src/): $percent% of lines"
+python3 -c "import sys; sys.exit(float('$percent') < $min)" ||
+  { echo "coverage: C++ core (src/) below $min% of lines" >&2; exit 1; }
 
 echo "== ThreadSanitizer (thread pool, determinism, multithreaded kernels)"
 CXX=clang++ cmake -S . -B build-tsan -DMHC_SANITIZE=thread "${common[@]}" > /dev/null

@@ -3,9 +3,10 @@
 set -euo pipefail
 
 # clang-format and clang-tidy 14 for `make lint` (one version: formatting differs between them;
-# ruff and gcovr come from requirements-dev.txt).
+# ruff comes from requirements-dev.txt); llvm-14 for llvm-cov and llvm-profdata (the C++ line
+# coverage of make sanitize).
 packages=(cmake g++ make libgtest-dev libbenchmark-dev clang libclang-rt-14-dev
-  clang-format-14 clang-tidy-14)
+  clang-format-14 clang-tidy-14 llvm-14)
 missing=()
 # The Python package is built in a virtual environment; Debian's python3 needs python3-venv and
 # the headers for that (a pyenv or other self-built python3 has both).
