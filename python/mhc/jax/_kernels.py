@@ -150,6 +150,14 @@ def _local_params(config: Config, norm_weight, phi, alpha, bias) -> Params:
     return Params(norm_weight.reshape(-1), phi.reshape(-1, config.projection_width), alpha, bias)
 
 
+def _zero_padded_rows(valid, *arrays):
+    """The arrays (token axes first, as `valid`) with the rows XLA padded set to zero: those rows
+    hold anything, and must stay out of the parameter sums. `valid` None: no padding."""
+    if valid is None:
+        return arrays
+    return tuple(jnp.where(valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a, 0) for a in arrays)
+
+
 def _pre_forward_local(config: Config, plan, x, norm_weight, phi, alpha, bias):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     t, width = math.prod(lead), config.projection_width
@@ -172,10 +180,9 @@ def _pre_forward_local(config: Config, plan, x, norm_weight, phi, alpha, bias):
 def _pre_backward_local(config: Config, plan, dlayer_in, dx_partial, dh_post, dh_res, x, partials, *shaped):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     t, width = math.prod(lead), config.projection_width
-    valid = plan.valid_tokens(lead)
-    if valid is not None:  # rows XLA padded hold anything: keep them out of the parameter sums
-        dlayer_in, dh_post, partials = (jnp.where(valid[..., None], a, 0) for a in (dlayer_in, dh_post, partials))
-        x, dx_partial, dh_res = (jnp.where(valid[..., None, None], a, 0) for a in (x, dx_partial, dh_res))
+    dlayer_in, dx_partial, dh_post, dh_res, x, partials = _zero_padded_rows(
+        plan.valid_tokens(lead), dlayer_in, dx_partial, dh_post, dh_res, x, partials
+    )
     params = _local_params(config, *shaped)
     dli, dxp, dhp, dhr, xf = (
         dlayer_in.reshape(t, d),
@@ -263,15 +270,11 @@ def _boundary_backward_local(config: Config, plan, *operands):
     def fused():
         lead, (n, d) = x.shape[:-2], x.shape[-2:]
         t, width = math.prod(lead), config.projection_width
-        dli, dxp, dhp, dhr = next_cotangents
-        post_inputs = (x, layer_out, h_post, h_res)
-        valid = plan.valid_tokens(lead)
-        if valid is not None:  # rows XLA padded hold anything: zero them (x_next is then zero too)
-            dli, dhp, lo, hp = (jnp.where(valid[..., None], a, 0) for a in (dli, dhp, layer_out, h_post))
-            dxp, dhr, xs, hr = (jnp.where(valid[..., None, None], a, 0) for a in (dxp, dhr, x, h_res))
-            post_inputs = (xs, lo, hp, hr)
+        # Padded rows zeroed in the post's inputs too: the x_next recomputed from them is then zero.
+        dli, dxp, dhp, dhr, xs, lo, hp, hr = _zero_padded_rows(
+            plan.valid_tokens(lead), *next_cotangents, x, layer_out, h_post, h_res
+        )
         flat_cotangents = (dli.reshape(t, d), dxp.reshape(t, n, d), dhp.reshape(t, n), dhr.reshape(t, n, n))
-        xs, lo, hp, hr = post_inputs
         flat_post = (xs.reshape(t, n, d), lo.reshape(t, d), hp.reshape(t, n), hr.reshape(t, n, n))
         dx_partial, dlayer_out, dh_post, dh_res, *grads = boundary_backward(
             config, flat_cotangents, *flat_post, _local_params(config, *shaped)
@@ -308,9 +311,7 @@ def _head_forward_local(config: Config, plan, x, fn, base, scale):
 
 def _head_backward_local(config: Config, plan, dout, x, fn, base, scale):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    valid = plan.valid_tokens(lead)
-    if valid is not None:  # rows XLA padded hold anything: keep them out of the parameter sums
-        dout, x = jnp.where(valid[..., None], dout, 0), jnp.where(valid[..., None, None], x, 0)
+    dout, x = _zero_padded_rows(plan.valid_tokens(lead), dout, x)
     head = HeadParams(fn, base, scale)
 
     def kernel():
