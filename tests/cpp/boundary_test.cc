@@ -99,15 +99,16 @@ class BoundaryVsSeparate : public testing::TestWithParam<BoundaryCase> {
                     const std::function<Vec()>& resample) {
     expect_matches(name, got.dtype(), got.to_double(), want,
                    ill_conditioned(name, want.size(), T, GetParam().D) ? resample : nullptr,
-                   context(), name == "dx_next" ? rms_bound() : 1e-5);
+                   context(), f32_bound(name, GetParam().n, GetParam().D));
   }
-  double rms_bound() const { return rms_backward_f32_bound(GetParam().n, GetParam().D); }
   // Against the unrounded chain: see the file comment.
   void expect_close_to_chain(const std::string& name, const HostTensor& got, const Vec& want,
                              const std::function<Vec()>& resample) {
+    // dx_partial and dh_res are computed from dx_next: its bound.
     const bool after_rms_backward = name == "dx_partial" || name == "dh_res";
     expect_matches(name + " (unrounded chain)", got.dtype(), got.to_double(), want, resample,
-                   context(), after_rms_backward ? rms_bound() : 1e-5);
+                   context(),
+                   f32_bound(after_rms_backward ? "dx_next" : name, GetParam().n, GetParam().D));
   }
   Vec perturb(const Vec& values) { return perturb_f32(rng, values); }
   reference::Params perturb(const reference::Params& p) { return perturb_f32(rng, p); }

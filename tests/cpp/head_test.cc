@@ -133,7 +133,7 @@ TEST_P(HeadVsReference, ForwardAndBackward) {
                    const std::function<Vec()>& resample) {
     expect_matches(name, got.dtype(), got.to_double(), ref,
                    ill_conditioned(name, ref.size(), T, D) ? resample : nullptr, context,
-                   name == "dx" ? rms_backward_f32_bound(n, D) : 1e-5);
+                   f32_bound(name, n, D));
   };
   check("out", one.out, want.out,
         [&] { return reference::head_forward(config, perturb_f32(rng, xd), moved()).out; });

@@ -137,7 +137,7 @@ class KernelsVsReference : public testing::TestWithParam<Case> {
     expect_matches(name, got.dtype(), got.to_double(), want,
                    ill_conditioned(name, want.size(), T, GetParam().D) ? resample : nullptr,
                    describe(config, T, GetParam().x_dtype) + ", seed " + std::to_string(seed),
-                   name == "dx" ? rms_backward_f32_bound(GetParam().n, GetParam().D) : 1e-5);
+                   f32_bound(name, GetParam().n, GetParam().D));
   }
   Config config;
   int64_t T = 0;

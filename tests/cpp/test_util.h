@@ -52,8 +52,8 @@ double relative_error(const Vec& got, const Vec& want);
 // - bf16 output: every element within half a bf16 ulp of want (what rounding to nearest gives;
 //   truncation misses by up to a whole ulp) plus 1e-5 * rms(want) for the f32 arithmetic before
 //   the rounding.
-// The message names the worst element. NaN never passes. `f32_bound` replaces 1e-5 only for the
-// tensors of rms_backward_f32_bound.
+// The message names the worst element. NaN never passes. `f32_bound` replaces 1e-5 only where
+// f32_bound() below says so.
 testing::AssertionResult matches_reference(DType dtype, const Vec& got, const Vec& want,
                                            double f32_bound = 1e-5);
 
@@ -62,10 +62,11 @@ testing::AssertionResult matches_reference(DType dtype, const Vec& got, const Ve
 // term. Both carry an f32 rounding of r |v| <= |v| / sqrt(rms_eps), so an f32 kernel's dx can be
 // off by ~1e-4 |v| at the default rms_eps however exact its inputs, and perturbing the inputs does
 // not show it (seen: 8e-5 relative, 41x the rounding spread, when |x| ~ 0.01). Tensors computed
-// from that dx (dx; after a boundary, the post backward's outputs) are held to 1e-3 when
-// n * D = 1, to 1e-5 otherwise. The smallest other shape, n * D = 3, cancels only when v is
+// from that dx (dx of pre_backward and the head, dx_next of the boundary; the boundary's chain
+// check also passes its post backward outputs as "dx_next") are held to 1e-3 when n * D = 1, every
+// other tensor and shape to 1e-5. The smallest other shape, n * D = 3, cancels only when v is
 // parallel to x, and has not missed 1e-5 in 700 runs of the small-shape tests.
-double rms_backward_f32_bound(int64_t n, int64_t D);
+double f32_bound(const std::string& name, int64_t n, int64_t D);
 
 // Half a bf16 ulp at |value| (bf16 keeps 8 significant bits).
 double half_bf16_ulp(double value);

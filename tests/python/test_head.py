@@ -57,7 +57,7 @@ def test_matches_float64(seed, use_kernel, dtype, n, d):
     for index, name in enumerate(NAMES):
         tolerance = 1e-5 if name in ("dfn", "dbase", "dscale") else TOLERANCE[dtype]
         if name == "dx" and n * d == 1:
-            tolerance = max(tolerance, 1e-3)  # the RMS backward cancels (test_util.h, rms_backward_f32_bound)
+            tolerance = max(tolerance, 1e-3)  # the RMS backward cancels (test_util.h, f32_bound)
         if not use_kernel:
             tolerance = max(tolerance, 1e-4)  # XLA's f32 reductions are not blocked
         ill_conditioned = name == "dscale" or got[index].size <= 8

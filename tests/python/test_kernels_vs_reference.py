@@ -6,7 +6,7 @@ tokens; a parameter gradient of at most 8 elements, each element such a sum) can
 their terms, so a draw may miss a relative bound even with exact arithmetic on f32-rounded inputs:
 then the error must be within 32x of what rounding the inputs by one f32 unit moves the reference
 (conftest.assert_matches, the rule of the C++ tests). With one value per token (n = d = 1) dx is
-held to 1e-3: the RMS backward's two terms cancel in f32 (test_util.h, rms_backward_f32_bound)."""
+held to 1e-3: the RMS backward's two terms cancel in f32 (test_util.h, f32_bound)."""
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +72,6 @@ def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
         resample = (lambda name=name: perturbed(name)) if ill else None
         if name == "dx" and n * d == 1:
             # One value per token: the RMS backward's two terms cancel in f32 (test_util.h,
-            # rms_backward_f32_bound), so dx is held to 1e-3 there, as in the C++ suite.
+            # f32_bound), so dx is held to 1e-3 there, as in the C++ suite.
             tol = max(tol, 1e-3)
         assert_matches(name, got, want_values[name], tol, resample, f"(seed {seed})")
