@@ -14,7 +14,10 @@ sublayer ``attn`` / ``ffn``, with N = 2n + R and M = n*D::
 
 Hugging Face transformers (``DeepseekV4DecoderLayer``, ``DeepseekV4HyperHead``) stores the same
 tensors as ``model.layers.{i}.attn_hc.{fn,base,scale}``, ``model.layers.{i}.ffn_hc.*`` and
-``model.hc_head.{hc_fn,hc_base,hc_scale}`` (``naming="hf"``).
+``model.hc_head.{hc_fn,hc_base,hc_scale}`` (``naming="hf"``). Its ``save_pretrained`` (5.x) reverts
+its conversion mapping on save, which gives the layers back V4's names under the ``model.`` prefix
+(``model.layers.{i}.hc_attn_fn``) and leaves the head's as they are (``model.hc_head.hc_fn``):
+``load_v4`` decides the naming per group of tensors and accepts the prefix either way.
 
 MaxText (``maxtext/layers/mhc.py``): one ``ManifoldConstrainedHyperConnections`` per sublayer
 (``mhc_attention`` / ``mhc_mlp`` in a decoder layer) holding ``mhc_norm.scale`` [M],
@@ -31,6 +34,7 @@ pass them to ``jax.device_put`` to place them.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import os
 import re
@@ -106,18 +110,21 @@ def config_from_v4(model_config: Mapping) -> Config:
 
 
 def params_from_v4(
-    tensors: Mapping, config: Config, *, layer: int, sublayer: str, naming: str = "v4", d: int | None = None
+    tensors: Mapping, config: Config, *, layer: int, sublayer: str, naming: str = "v4", dim: int | None = None
 ) -> Params:
     """One sublayer's ``Params`` from DeepSeek-V4 tensors (a dict name -> array, f32/bf16/f16).
 
     Reads fn [N, M], base [N], scale [3] under ``v4_sublayer_names(layer, sublayer, naming)``;
     returns phi = fn^T [M, N], bias = base, alpha = scale and norm_weight = ones [M]. D is taken
-    from fn's shape unless ``d`` is given; every shape is checked against ``config``.
+    from fn's shape unless ``dim`` is given; every shape is checked against ``config``.
     """
     _check_config(config)
-    names = v4_sublayer_names(layer, sublayer, naming)
+    return _params_from_names(tensors, v4_sublayer_names(layer, sublayer, naming), config, naming, dim)
+
+
+def _params_from_names(tensors: Mapping, names: Mapping[str, str], config: Config, naming: str, dim) -> Params:
     fn = _lookup(tensors, names["fn"], naming)
-    d = _resolve_d(names["fn"], fn.shape, 1, (config.projection_width, None), config, d)
+    d = _resolve_d(names["fn"], fn.shape, 1, (config.projection_width, None), config, dim)
     m, width = config.n * d, config.projection_width
     base = _lookup(tensors, names["base"], naming)
     scale = _lookup(tensors, names["scale"], naming)
@@ -162,12 +169,15 @@ def params_to_v4(
     return {names["fn"]: np.ascontiguousarray(fn), names["base"]: bias, names["scale"]: alpha}
 
 
-def head_from_v4(tensors: Mapping, config: Config, *, naming: str = "v4", d: int | None = None) -> HeadParams:
+def head_from_v4(tensors: Mapping, config: Config, *, naming: str = "v4", dim: int | None = None) -> HeadParams:
     """``HeadParams`` (fn [n, M], base [n], scale [1], stored as V4 does) from DeepSeek-V4 tensors."""
     _check_config(config)
-    names = v4_head_names(naming)
+    return _head_from_names(tensors, v4_head_names(naming), config, naming, dim)
+
+
+def _head_from_names(tensors: Mapping, names: Mapping[str, str], config: Config, naming: str, dim) -> HeadParams:
     fn = _lookup(tensors, names["fn"], naming)
-    d = _resolve_d(names["fn"], fn.shape, 1, (config.n, None), config, d)
+    d = _resolve_d(names["fn"], fn.shape, 1, (config.n, None), config, dim)
     n = config.n
     base = _lookup(tensors, names["base"], naming)
     scale = _lookup(tensors, names["scale"], naming)
@@ -193,7 +203,7 @@ def head_to_v4(head: HeadParams, config: Config, *, naming: str = "v4") -> dict[
 # ---------------------------------------------------------------------------------------------
 
 
-def params_from_maxtext(tree: Mapping, config: Config, *, d: int | None = None) -> Params:
+def params_from_maxtext(tree: Mapping, config: Config, *, dim: int | None = None) -> Params:
     """``Params`` from one MaxText mHC layer's parameters (the ``mhc_attention`` or ``mhc_mlp`` subtree).
 
     tree: {"mhc_norm": {"scale": [M]}, "pre_alpha": [M, n], "post_alpha": [M, n], "res_alpha": [M, R],
@@ -206,7 +216,7 @@ def params_from_maxtext(tree: Mapping, config: Config, *, d: int | None = None) 
         raise TypeError(f"tree: expected a mapping of MaxText mHC parameters, got {type(tree).__name__}")
     n, r = config.n, config.residual_logits
     pre_alpha = _maxtext_leaf(tree, ("pre_alpha",))
-    d = _resolve_d("pre_alpha", pre_alpha.shape, 0, (None, n), config, d)
+    d = _resolve_d("pre_alpha", pre_alpha.shape, 0, (None, n), config, dim)
     m = n * d
     res_beta_shape = (n, n) if config.mix == "sinkhorn" else (r,)
     expected = {
@@ -255,7 +265,7 @@ def params_to_maxtext(params: Params, config: Config) -> dict:
     }
 
 
-def head_from_maxtext(tree: Mapping, config: Config, *, d: int | None = None) -> HeadParams:
+def head_from_maxtext(tree: Mapping, config: Config, *, dim: int | None = None) -> HeadParams:
     """``HeadParams`` from MaxText's ``DeepSeek4HyperHead`` parameters (the ``decoder/hc_head`` subtree):
     {"hc_fn": [M, n] (V4's fn transposed), "hc_base": [n], "hc_scale": [1]}."""
     _check_config(config)
@@ -263,7 +273,7 @@ def head_from_maxtext(tree: Mapping, config: Config, *, d: int | None = None) ->
         raise TypeError(f"tree: expected a mapping of MaxText hc_head parameters, got {type(tree).__name__}")
     n = config.n
     hc_fn = _maxtext_leaf(tree, ("hc_fn",))
-    d = _resolve_d("hc_fn", hc_fn.shape, 0, (None, n), config, d)
+    d = _resolve_d("hc_fn", hc_fn.shape, 0, (None, n), config, dim)
     base = _maxtext_leaf(tree, ("hc_base",))
     scale = _maxtext_leaf(tree, ("hc_scale",))
     for name, array, shape in (("hc_fn", hc_fn, (n * d, n)), ("hc_base", base, (n,)), ("hc_scale", scale, (1,))):
@@ -296,24 +306,30 @@ def load_v4(
     path: str | os.PathLike,
     config: Config,
     *,
-    naming: str = "v4",
+    naming: str | None = None,
     layers: Iterable[int] | None = None,
     head: bool = True,
-    d: int | None = None,
+    dim: int | None = None,
 ) -> V4Weights:
     """Read only the mHC tensors of a safetensors checkpoint and convert them (f32, bf16 or f16 -> f32).
 
     path: a ``.safetensors`` file, a ``model.safetensors.index.json`` (sharded checkpoint) or a
     directory holding either (without an index, every ``*.safetensors`` in it is searched).
-    layers: the layer indices to read (default: every ``layers.{i}`` the checkpoint has; MTP
-    layers are not included). head: also read the head (``hc_head_*``). Tensors are read one at a
-    time with ``safetensors.safe_open``; shapes and dtypes are checked from the headers before any
-    data is read. Raises KeyError naming a missing tensor (and the file it was expected in),
-    ValueError for a wrong shape (expected vs got, and the file), TypeError for another dtype.
-    Needs the ``safetensors`` package (``pip install safetensors``).
+    naming: None (default) decides the naming from the file, separately for the layers' tensors and
+    for the head's, since Hugging Face transformers' ``save_pretrained`` writes the layers under
+    V4's names (``model.layers.{i}.hc_attn_fn``) and the head under its own
+    (``model.hc_head.hc_fn``); "v4" or "hf" requires that naming for both. Either way the names
+    may carry transformers' ``model.`` prefix or not (transformers adds or drops it by the class
+    saved). layers: the layer indices to read (default: every ``layers.{i}`` the checkpoint has;
+    MTP layers are not included). head: also read the head. Tensors are read one at a time with
+    ``safetensors.safe_open``; shapes and dtypes are checked from the headers before any data is
+    read. Raises KeyError naming a missing tensor, the file it was expected in and the file's
+    tensors with the nearest names; ValueError for a wrong shape (expected vs got, and the file),
+    TypeError for another dtype. Needs the ``safetensors`` package (``pip install safetensors``).
     """
     _check_config(config)
-    _check_choice("naming", naming, NAMINGS)
+    if naming is not None:
+        _check_choice("naming", naming, NAMINGS)
     safe_open = _import_safe_open()
     locations = _tensor_locations(path)
     if layers is None:
@@ -322,20 +338,67 @@ def load_v4(
         layer_ids = tuple(layers)
         for position, layer in enumerate(layer_ids):
             _check_layer(f"layers[{position}]", layer)
-    groups = [("sublayer", v4_sublayer_names(layer, sublayer, naming)) for layer in layer_ids for sublayer in SUBLAYERS]
+    layer_groups = _resolve_group(
+        lambda style: [v4_sublayer_names(i, sublayer, style) for i in layer_ids for sublayer in SUBLAYERS],
+        naming,
+        locations,
+        path,
+    )
+    groups = [("sublayer", names) for names in layer_groups]
     if head:
-        groups.append(("head", v4_head_names(naming)))
-    for _, group in groups:
-        for name in group.values():
-            if name not in locations:
-                raise KeyError(f"{name}: not found in {os.fspath(path)}{_naming_hint(name, locations, naming)}")
-    tensors = _read_tensors(safe_open, locations, groups, config, d)
+        groups += [("head", names) for names in _resolve_group(lambda s: [v4_head_names(s)], naming, locations, path)]
+    tensors = _read_tensors(safe_open, locations, groups, config, dim)
+    attn, ffn = layer_groups[0::2], layer_groups[1::2]  # SUBLAYERS order per layer
     return V4Weights(
         layers=layer_ids,
-        attn=tuple(params_from_v4(tensors, config, layer=i, sublayer="attn", naming=naming) for i in layer_ids),
-        ffn=tuple(params_from_v4(tensors, config, layer=i, sublayer="ffn", naming=naming) for i in layer_ids),
-        head=head_from_v4(tensors, config, naming=naming) if head else None,
+        attn=tuple(_params_from_names(tensors, names, config, naming, None) for names in attn),
+        ffn=tuple(_params_from_names(tensors, names, config, naming, None) for names in ffn),
+        head=_head_from_names(tensors, groups[-1][1], config, naming, None) if head else None,
     )
+
+
+# transformers' base-model prefix: DeepseekV4ForCausalLM's tensors carry it, DeepseekV4Model's do not.
+_MODEL_PREFIX = "model."
+
+
+def _with_prefix(names: Mapping[str, str], prefixed: bool) -> dict[str, str]:
+    bare = {part: name.removeprefix(_MODEL_PREFIX) for part, name in names.items()}
+    return {part: _MODEL_PREFIX + name for part, name in bare.items()} if prefixed else bare
+
+
+def _resolve_group(names_for, naming, locations: Mapping[str, str], path) -> list[dict[str, str]]:
+    """The names of one group of tensors (the layers' or the head's): ``names_for(naming)`` gives
+    the group's name dicts; each naming is tried with and without the "model." prefix (its own
+    form first), and the first form holding every name wins. A real miss names the tensor missing
+    from the form that holds the most, and the file's nearest names."""
+    candidates = [
+        [_with_prefix(names, prefixed) for names in names_for(style)]
+        for style in (NAMINGS if naming is None else (naming,))
+        for prefixed in ((False, True) if style == "v4" else (True, False))
+    ]
+    present = [sum(name in locations for names in group for name in names.values()) for group in candidates]
+    best = candidates[present.index(max(present))]
+    for names in best:
+        for name in names.values():
+            if name not in locations:
+                raise KeyError(
+                    f"{name}: not found in {os.fspath(path)} ({_naming_text(naming)})"
+                    f"{_naming_hint(name, locations, naming)}{_nearest_hint(name, locations)}"
+                )
+    return best
+
+
+def _naming_text(naming) -> str:
+    if naming is None:
+        return "naming decided from the file: v4 or hf names, with or without the 'model.' prefix"
+    return f"naming={naming!r}"
+
+
+def _nearest_hint(name: str, available: Iterable[str]) -> str:
+    nearest = difflib.get_close_matches(name, list(available), n=3, cutoff=0.6)
+    if not nearest:
+        return "; no tensor in it has a similar name"
+    return "; the nearest names in it: " + ", ".join(nearest)
 
 
 def _import_safe_open():
@@ -394,27 +457,33 @@ def _open_safetensors(safe_open, file: str):
         raise ValueError(f"{file}: not a readable safetensors file ({error})") from error
 
 
-def _discover_layers(locations: Mapping[str, str], naming: str, path) -> tuple[int, ...]:
-    pattern = r"layers\.(\d+)\.hc_attn_fn" if naming == "v4" else r"model\.layers\.(\d+)\.attn_hc\.fn"
-    found = sorted({int(match.group(1)) for name in locations if (match := re.fullmatch(pattern, name))})
+def _discover_layers(locations: Mapping[str, str], naming, path) -> tuple[int, ...]:
+    first_fn = {"v4": r"layers\.(\d+)\.hc_attn_fn", "hf": r"layers\.(\d+)\.attn_hc\.fn"}
+    patterns = [rf"(?:model\.)?{first_fn[style]}" for style in (NAMINGS if naming is None else (naming,))]
+    found = sorted(
+        {int(match.group(1)) for name in locations for pattern in patterns if (match := re.fullmatch(pattern, name))}
+    )
     if not found:
-        example = v4_sublayer_names(0, "attn", naming)["fn"]
+        example = v4_sublayer_names(0, "attn", naming or "v4")["fn"]
         raise KeyError(
-            f"{example}: no mHC layer tensors in {os.fspath(path)}{_naming_hint(example, locations, naming)}"
+            f"{example}: no mHC layer tensors in {os.fspath(path)} ({_naming_text(naming)})"
+            f"{_naming_hint(example, locations, naming)}{_nearest_hint(example, locations)}"
         )
     return tuple(found)
 
 
-def _naming_hint(name: str, available: Mapping, naming: str) -> str:
-    """Suggest the other naming when the checkpoint uses it."""
+def _naming_hint(name: str, available: Mapping, naming) -> str:
+    """With a naming forced, say so when the checkpoint uses the other one."""
+    if naming is None:
+        return ""
     other = NAMINGS[1 - NAMINGS.index(naming)]
-    other_names = [v4_head_names(other)["fn"]]
     match = re.search(r"layers\.(\d+)\.", name)
     layer = int(match.group(1)) if match else 0
-    other_names += [v4_sublayer_names(layer, sublayer, other)["fn"] for sublayer in SUBLAYERS]
+    other_names = [v4_head_names(other)["fn"]] + [v4_sublayer_names(layer, s, other)["fn"] for s in SUBLAYERS]
+    other_names = [prefix + n.removeprefix(_MODEL_PREFIX) for n in other_names for prefix in ("", _MODEL_PREFIX)]
     if any(candidate in available for candidate in other_names):
-        return f" (naming={naming!r}; the tensors look like naming={other!r})"
-    return f" (naming={naming!r})"
+        return f"; the tensors look like naming={other!r}"
+    return ""
 
 
 def _read_tensors(safe_open, locations, groups, config: Config, d) -> dict[str, np.ndarray]:
@@ -504,7 +573,10 @@ def _lookup(tensors, name: str, naming: str) -> np.ndarray:
     if not isinstance(tensors, Mapping):
         raise TypeError(f"tensors: expected a mapping from tensor name to array, got {type(tensors).__name__}")
     if name not in tensors:
-        raise KeyError(f"{name}: missing from tensors{_naming_hint(name, tensors, naming)}")
+        raise KeyError(
+            f"{name}: missing from tensors (naming={naming!r}){_naming_hint(name, tensors, naming)}"
+            f"{_nearest_hint(name, tensors)}"
+        )
     return _float32(name, tensors[name])
 
 
@@ -521,12 +593,12 @@ def _maxtext_leaf(tree: Mapping, path: tuple[str, ...]) -> np.ndarray:
     return _float32(".".join(path), node)
 
 
-def _resolve_d(name: str, shape: tuple, m_axis: int, pattern: tuple, config: Config, d) -> int:
-    """D from the M = n*D axis of a 2-D weight, or the given ``d`` (checked)."""
-    if d is not None:
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
-            raise ValueError(f"d: expected an int >= 1, got {d!r}")
-        return int(d)
+def _resolve_d(name: str, shape: tuple, m_axis: int, pattern: tuple, config: Config, dim) -> int:
+    """D from the M = n*D axis of a 2-D weight, or the given ``dim`` (checked)."""
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
+            raise ValueError(f"dim: expected an int >= 1, got {dim!r}")
+        return int(dim)
     shape = tuple(shape)
     if len(shape) == 2 and shape[m_axis] >= config.n and shape[m_axis] % config.n == 0:
         return shape[m_axis] // config.n

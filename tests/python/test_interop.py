@@ -361,8 +361,9 @@ def test_load_sharded_hf_checkpoint(seed, tmp_path):
     assert_loaded(interop.load_v4(tmp_path, config, naming="hf"), stored, config, "hf")
     assert_loaded(interop.load_v4(tmp_path / "model.safetensors.index.json", config, naming="hf"), stored, config, "hf")
 
-    with pytest.raises(KeyError, match=r"layers\.0\.hc_attn_fn: no mHC layer tensors .*naming='hf'"):
-        interop.load_v4(tmp_path, config)  # the default naming is "v4"
+    assert_loaded(interop.load_v4(tmp_path, config), stored, config, "hf")  # the naming decided from the file
+    with pytest.raises(KeyError, match=r"layers\.0\.hc_attn_fn: no mHC layer tensors .*look like naming='hf'"):
+        interop.load_v4(tmp_path, config, naming="v4")
     moved = dict(weight_map, **{"model.hc_head.hc_base": "model-00003-of-00002.safetensors"})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": moved}))
     with pytest.raises(FileNotFoundError, match=r"model-00003-of-00002\.safetensors: missing"):
@@ -372,6 +373,62 @@ def test_load_sharded_hf_checkpoint(seed, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": moved}))
     with pytest.raises(KeyError, match=rf"model\.hc_head\.hc_base: not found in .*{re.escape(other_file)}"):
         interop.load_v4(tmp_path, config, naming="hf")
+
+
+def transformers_checkpoint_tensors(rng, config):
+    """Two layers and the head under the names transformers 5.x's ``save_pretrained`` writes for
+    ``DeepseekV4ForCausalLM`` (its conversion mapping reverted on save: the layers' hc tensors go back
+    to V4's names under the ``model.`` prefix, the head's keep transformers' module names), beside
+    tensors the loader must skip."""
+    import jax
+
+    width, m = config.projection_width, config.n * D
+    stored = {}
+    for layer in (0, 1):
+        for sublayer in ("attn", "ffn"):
+            stored[f"model.layers.{layer}.hc_{sublayer}_fn"] = rng.standard_normal((width, m))
+            stored[f"model.layers.{layer}.hc_{sublayer}_base"] = rng.standard_normal((width,))
+            stored[f"model.layers.{layer}.hc_{sublayer}_scale"] = rng.standard_normal((3,))
+        stored[f"model.layers.{layer}.self_attn.q_a_proj.weight"] = np.ones((3, D))
+    stored["model.hc_head.hc_fn"] = rng.standard_normal((config.n, m))
+    stored["model.hc_head.hc_base"] = rng.standard_normal((config.n,))
+    stored["model.hc_head.hc_scale"] = rng.standard_normal((1,))
+    stored["model.embed_tokens.weight"] = np.ones((7, D))
+    stored["lm_head.weight"] = np.ones((7, D))
+    return {name: jax.numpy.asarray(value, jnp.float32) for name, value in stored.items()}
+
+
+def test_load_what_transformers_save_pretrained_writes(seed, tmp_path):
+    safetensors_flax = pytest.importorskip("safetensors.flax")
+    rng = np.random.default_rng(seed)
+    config = mj.Config(n=4)
+    stored = transformers_checkpoint_tensors(rng, config)
+    file = tmp_path / "model.safetensors"
+    safetensors_flax.save_file(stored, str(file))
+    weights = interop.load_v4(file, config)
+    assert weights.layers == (0, 1)
+    as_v4 = {name.removeprefix("model."): np.asarray(value) for name, value in stored.items()}
+    for layer in (0, 1):
+        want_attn = interop.params_from_v4(as_v4, config, layer=layer, sublayer="attn")
+        want_ffn = interop.params_from_v4(as_v4, config, layer=layer, sublayer="ffn")
+        assert_same_params(weights.attn[layer], want_attn)
+        assert_same_params(weights.ffn[layer], want_ffn)
+    head = {f"hc_head_{part}": np.asarray(stored[f"model.hc_head.hc_{part}"]) for part in ("fn", "base", "scale")}
+    assert_same_params(weights.head, interop.head_from_v4(head, config))
+
+    # One naming forced for both groups: the error points at the group that has the other one.
+    with pytest.raises(KeyError, match=r"hc_head_fn: not found .*naming='v4'.*look like naming='hf'.*model\.hc_head"):
+        interop.load_v4(file, config, naming="v4")
+    with pytest.raises(KeyError, match=r"layers\.0\.attn_hc\.fn: no mHC layer tensors .*look like naming='v4'"):
+        interop.load_v4(file, config, naming="hf")
+
+    # A real miss names the tensors nearest to the one expected.
+    safetensors_flax.save_file({k: v for k, v in stored.items() if k != "model.layers.1.hc_ffn_scale"}, str(file))
+    with pytest.raises(
+        KeyError, match=r"model\.layers\.1\.hc_ffn_scale: not found in .*the nearest names in it: .*model\.layers\."
+    ) as missing:
+        interop.load_v4(file, config)
+    assert "model.layers.0.hc_ffn_scale" in str(missing.value)
 
 
 def test_load_errors(seed, tmp_path):
@@ -402,11 +459,11 @@ def test_load_errors(seed, tmp_path):
     with pytest.raises(ValueError, match=r"layers\.0\.hc_attn_fn \(in .*\): expected shape \(24, 4\*D\)"):
         interop.load_v4(file, config)
     with pytest.raises(ValueError, match=r"layers\.0\.hc_attn_fn \(in .*\): expected shape \(24, 20\) for n=4, D=5"):
-        interop.load_v4(file, config, d=5)
+        interop.load_v4(file, config, dim=5)
     file = save(dict(stored, **{"hc_head_scale": jnp.ones((1,), jnp.int32)}))
     with pytest.raises(TypeError, match=r"hc_head_scale \(in .*\): expected dtype F32, BF16 or F16, got I32"):
         interop.load_v4(file, config)
-    with pytest.raises(KeyError, match=r"layers\.0\.hc_attn_fn: no mHC layer tensors in .*\(naming='v4'\)"):
+    with pytest.raises(KeyError, match=r"layers\.0\.hc_attn_fn: no mHC layer tensors in .*\(naming decided from"):
         interop.load_v4(save({"hc_head_fn": jnp.zeros((4, 20))}), config)
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"not a safetensors file")
@@ -440,7 +497,11 @@ def test_conversion_errors(seed):
         match=r"layers\.3\.hc_attn_fn: expected shape \(24, 512\) for n=4, D=128, mix='sinkhorn', got \(24, 511\)",
     ):
         interop.params_from_v4(
-            {**tensors, "layers.3.hc_attn_fn": np.zeros((24, 511), np.float32)}, config, layer=3, sublayer="attn", d=128
+            {**tensors, "layers.3.hc_attn_fn": np.zeros((24, 511), np.float32)},
+            config,
+            layer=3,
+            sublayer="attn",
+            dim=128,
         )
     with pytest.raises(ValueError, match=r"layers\.3\.hc_attn_fn: expected shape \(15, 3\*D\) for n=3"):
         interop.params_from_v4(tensors, mj.Config(n=3), layer=3, sublayer="attn")
