@@ -68,9 +68,9 @@ class Params(NamedTuple):
     bias: jax.Array  # [N]
 
 
-def init_params(key: jax.Array, config: Config, d: int) -> Params:
-    """alpha 0.01, bias 0, norm_weight 1, phi ~ N(0, 1/(n*D))."""
-    m = config.n * d
+def init_params(key: jax.Array, config: Config, dim: int) -> Params:
+    """alpha 0.01, bias 0, norm_weight 1, phi ~ N(0, 1/(n*D)); dim is D, the features per stream."""
+    m = config.n * dim
     phi = jax.random.normal(key, (m, config.projection_width), jnp.float32) / math.sqrt(m)
     return Params(
         norm_weight=jnp.ones((m,), jnp.float32),
@@ -88,9 +88,9 @@ class HeadParams(NamedTuple):
     scale: jax.Array  # [1]
 
 
-def init_head_params(key: jax.Array, config: Config, d: int) -> HeadParams:
-    """scale 0.01, base 0, fn ~ N(0, 1/(n*D)): every gate starts near 1/2 (out ~ half the sum)."""
-    m = config.n * d
+def init_head_params(key: jax.Array, config: Config, dim: int) -> HeadParams:
+    """scale 0.01, base 0, fn ~ N(0, 1/(n*D)): every gate starts near 1/2 (out ~ half the sum); dim is D."""
+    m = config.n * dim
     return HeadParams(
         fn=jax.random.normal(key, (config.n, m), jnp.float32) / math.sqrt(m),
         base=jnp.zeros((config.n,), jnp.float32),
