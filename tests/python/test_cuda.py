@@ -44,7 +44,7 @@ def test_cuda_targets_registered():
     _need(_ffi._mhc_cuda is not None, "built without CUDA (no _mhc_cuda module)")
     # Every CPU target has its CUDA twin but the fused boundary, which on a GPU runs as the
     # separate operations (test_boundary_falls_back_to_separate_calls_on_the_gpu), and the head,
-    # which runs the plain formulas there (test_head_runs_the_plain_formulas_on_the_gpu).
+    # which raises there with use_kernel=True (test_head_on_the_gpu_raises_unless_asked_for_plain).
     cpu_only = {"mhc_boundary_forward", "mhc_boundary_backward", "mhc_head_forward", "mhc_head_backward"}
     assert set(_ffi.CUDA_TARGETS) == set(_ffi.TARGET_NAMES) - cpu_only
     assert isinstance(_ffi._mhc_cuda.device_available(), bool)
@@ -52,7 +52,8 @@ def test_cuda_targets_registered():
 
 def test_boundary_falls_back_to_separate_calls_on_the_gpu(seed):
     """mhc.jax.sublayer on a GPU: the compiled program holds the separate pre/post custom calls
-    (no CUDA boundary kernel yet) and the values match the CPU's fused boundary."""
+    (no CUDA boundary kernel yet; fallback="allow" runs them without the warning, which
+    test_dispatch.py checks) and the values match the CPU's fused boundary."""
     _need(_ffi._mhc_cuda is not None, "built without CUDA (no _mhc_cuda module)")
     _need(bool(_gpus()), "no GPU")
     config = mj.Config(n=4)
@@ -63,7 +64,7 @@ def test_boundary_falls_back_to_separate_calls_on_the_gpu(seed):
     def loss(x, layers):
         state = x
         for params in layers:
-            state = mj.sublayer(state, params, config, jnp.tanh)
+            state = mj.sublayer(state, params, config, jnp.tanh, fallback="allow")
         return jnp.sum(mj.finish(state) ** 2)
 
     program = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
@@ -78,21 +79,28 @@ def test_boundary_falls_back_to_separate_calls_on_the_gpu(seed):
         assert relative_error(a, b) <= 1e-4, f"seed {seed}"
 
 
-def test_head_runs_the_plain_formulas_on_the_gpu(seed):
-    """mhc.jax.head on a GPU (no CUDA head kernel; unverified: no GPU has run it): no head custom
-    call in the compiled program, and values and gradients match the CPU's head kernel."""
+def test_head_on_the_gpu_raises_unless_asked_for_plain(seed):
+    """mhc.jax.head on a GPU (no CUDA head kernel; unverified: no GPU has run it): use_kernel=True
+    raises the mhc error; use_kernel=False runs the plain formulas there, whose values and
+    gradients match the CPU's head kernel."""
     _need(bool(_gpus()), "no GPU")
     config = mj.Config(n=4)
     keys = jax.random.split(jax.random.key(seed), 2)
     x = jax.random.normal(keys[0], (64, 4, 256), jnp.float32)
     head = mj.init_head_params(keys[1], config, 256)._replace(scale=jnp.array([0.9], jnp.float32))
-    program = jax.jit(jax.value_and_grad(lambda x, head: jnp.sum(mj.head(x, head, config) ** 2), argnums=(0, 1)))
+
+    def program(use_kernel):
+        loss = lambda x, head: jnp.sum(mj.head(x, head, config, use_kernel=use_kernel) ** 2)  # noqa: E731
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
     gpu, cpu = _gpus()[0], jax.devices("cpu")[0]
     on_gpu = [jax.device_put(a, gpu) for a in (x, head)]
-    assert "mhc_head" not in program.lower(*on_gpu).compile().as_text()
+    with pytest.raises(NotImplementedError, match=r"mhc\.jax\.head: .*'cuda'.*use_kernel=False"):
+        program(True).lower(*on_gpu)
+    assert "mhc_head" not in program(False).lower(*on_gpu).compile().as_text()
     with jax.default_matmul_precision("highest"):
-        got = program(*on_gpu)
-        want = program(*(jax.device_put(a, cpu) for a in (x, head)))
+        got = program(False)(*on_gpu)
+        want = program(True)(*(jax.device_put(a, cpu) for a in (x, head)))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert relative_error(a, b) <= 1e-4, f"seed {seed}"
 

@@ -14,7 +14,8 @@ One sublayer on its own:
 
 With ``use_kernel=True`` (default) both are ``jax.custom_vjp`` functions whose forward and
 backward are the C++ operations (XLA FFI custom calls); with ``use_kernel=False`` they are the
-plain jax.numpy formulas of ``mhc.jax.reference``, differentiated by JAX.
+plain jax.numpy formulas of ``mhc.jax.reference``, differentiated by JAX. On a platform without
+the kernels, ``use_kernel=True`` raises when the program is lowered (README, Support).
 """
 
 from __future__ import annotations
@@ -92,37 +93,56 @@ def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     return _post_kernel(layer_out, ctx)
 
 
-def boundary(layer_out: jax.Array, ctx: Context, params: Params, config: Config, *, use_kernel: bool = True):
+def boundary(
+    layer_out: jax.Array,
+    ctx: Context,
+    params: Params,
+    config: Config,
+    *,
+    use_kernel: bool = True,
+    fallback: str = "warn",
+):
     """``post(layer_out, ctx)`` then ``pre`` of the next sublayer on its result, in one pass
     (spec: Boundary): the next sublayer's (layer_in, Context), whose ``x`` is the new streams.
 
     On the kernel path (``use_kernel`` and ``ctx.use_kernel``) the CPU runs the fused boundary
     kernels: the new streams are written once and projected while in cache, and the backward
     recomputes them instead of keeping them, never storing their gradient. The results equal the
-    two calls bit for bit. On a GPU, and with D split over devices, it runs the two operations.
+    two calls bit for bit. With D split over devices it runs the two operations.
+
+    ``fallback``: what to do on a platform without the fused kernels but with the ``post`` and
+    ``pre`` kernels (a GPU): run those two, with a warning once per process (``"warn"``), without
+    it (``"allow"``), or raise instead (``"error"``). A platform without any mhc kernel (a TPU)
+    raises either way; ``use_kernel=False`` runs the plain formulas anywhere.
     ``config`` is the next sublayer's (same n as ``ctx.config``).
     """
+    if fallback not in _kernels.FALLBACK_CHOICES:
+        raise ValueError(f"fallback: expected one of {_kernels.FALLBACK_CHOICES}, got {fallback!r}")
     check_post_args(layer_out, ctx)
     if not (use_kernel and ctx.use_kernel):
         return pre(post(layer_out, ctx), params, config, use_kernel=use_kernel)
     if config.n != ctx.config.n:
         raise ValueError(f"config: the next sublayer's n ({config.n}) must equal ctx.config.n ({ctx.config.n})")
     check_pre_args(ctx.x, params, config)
-    layer_in, x_next, h_post, h_res = _kernels.boundary(config, ctx.x, layer_out, ctx.h_post, ctx.h_res, params)
+    x, h_post, h_res = ctx.x, ctx.h_post, ctx.h_res
+    layer_in, x_next, h_post, h_res = _kernels.boundary(config, fallback, x, layer_out, h_post, h_res, params)
     return layer_in, Context(x_next, h_post, h_res, config, True)
 
 
-def sublayer(state, params: Params, config: Config, branch, *, use_kernel: bool = True) -> Pending:
+def sublayer(
+    state, params: Params, config: Config, branch, *, use_kernel: bool = True, fallback: str = "warn"
+) -> Pending:
     """One mHC-wrapped sublayer of a stack, its post left pending so that the next sublayer's
     pre fuses with it (``boundary``).
 
     state: the streams [..., n, D] (the first sublayer) or the ``Pending`` the previous sublayer
     returned; branch: layer_in [..., D] -> layer_out [..., D] (e.g. norm then attention).
     Returns a ``Pending``: pass it to the next ``sublayer``, or to ``finish`` for the streams.
-    Works under jit, grad, checkpoint and scan (``Pending`` is a pytree).
+    Works under jit, grad, checkpoint and scan (``Pending`` is a pytree). ``fallback``: as for
+    ``boundary``.
     """
     if isinstance(state, Pending):
-        layer_in, ctx = boundary(state.layer_out, state.ctx, params, config, use_kernel=use_kernel)
+        layer_in, ctx = boundary(state.layer_out, state.ctx, params, config, use_kernel=use_kernel, fallback=fallback)
     else:
         layer_in, ctx = pre(state, params, config, use_kernel=use_kernel)
     return Pending(branch(layer_in), ctx)
@@ -150,6 +170,8 @@ def head(x: jax.Array, params: HeadParams, config: Config, *, use_kernel: bool =
     place of ``reduce``: out = sum_k g_k x_k, g = sigmoid(scale * r * (x_flat . fn^T) + base) + pre_eps.
 
     params: f32 ``HeadParams`` (fn [n, n*D], base [n], scale [1]); uses config.n, rms_eps and pre_eps.
+    The kernels run on the CPU only: elsewhere ``use_kernel=True`` raises, ``use_kernel=False``
+    runs the plain formulas.
     """
     if not use_kernel:
         return reference.head(x, params, config)

@@ -7,19 +7,27 @@ on a mesh each device runs them on its own shards.
 pre's custom VJP returns x itself as an extra output (the context's copy). post's backward sends
 its dx_partial back along that output, so pre's backward receives it as a cotangent and the C++
 pre_backward adds it while it writes dx: no separate pass to sum the two paths of dx.
+
+Dispatch: each operation runs its own kernels on a platform that has them registered, its
+documented fallback's kernels where only those are (the boundary on a GPU: post then pre, with a
+warning once per process unless the caller passed fallback="allow"), and raises an mhc error
+otherwise. The platform is only known when XLA lowers the program (it may be lowered or exported
+for another machine), so the check is a primitive whose lowering rule makes the decision.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
-from mhc import _ffi  # noqa: F401  (registers the FFI targets)
-from mhc.jax import reference
+from mhc import _ffi
 from mhc.jax._partitioning import Operation, apply
 from mhc.jax._types import Config, HeadParams, Params
 
@@ -232,8 +240,9 @@ def _post_backward_local(config: Config, plan, g, x, layer_out, h_post, h_res):
 
 
 def _boundary_forward_local(config: Config, plan, x, layer_out, h_post, h_res, *shaped):
-    """post of sublayer l, then pre of l+1: fused on the CPU when D is whole, else (a GPU, whose
-    backend has no boundary kernel yet, or D split over devices) the two operations in turn."""
+    """post of sublayer l, then pre of l+1: fused where the platform has the boundary kernel and D
+    is whole, else (a GPU, whose backend has no boundary kernel yet, or D split over devices) the
+    two operations in turn. A platform with neither was refused by _check_platform."""
 
     def separate():
         (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
@@ -254,7 +263,7 @@ def _boundary_forward_local(config: Config, plan, x, layer_out, h_post, h_res, *
 
     if plan.slices > 1:
         return separate()
-    return tuple(jax.lax.platform_dependent(cpu=fused, default=separate))
+    return tuple(jax.lax.platform_dependent(**_where_registered("mhc_boundary_forward", fused), default=separate))
 
 
 def _boundary_backward_local(config: Config, plan, *operands):
@@ -293,39 +302,22 @@ def _boundary_backward_local(config: Config, plan, *operands):
 
     if plan.slices > 1:
         return separate()
-    return tuple(jax.lax.platform_dependent(cpu=fused, default=separate))
+    return tuple(jax.lax.platform_dependent(**_where_registered("mhc_boundary_backward", fused), default=separate))
 
 
 def _head_forward_local(config: Config, plan, x, fn, base, scale):
-    """The head on this device's tokens (D whole: the head has no split form): the C++ kernel on
-    the CPU; elsewhere (no CUDA head kernel yet) the plain-JAX formulas."""
-    head = HeadParams(fn, base, scale)
-
-    def kernel():
-        lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        out, _ = head_forward(config, x.reshape(math.prod(lead), n, d), head)
-        return out.reshape(*lead, d)
-
-    return (jax.lax.platform_dependent(cpu=kernel, default=lambda: reference.head(x, head, config)),)
+    """The head on this device's tokens (D whole: the head has no split form)."""
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    out, _ = head_forward(config, x.reshape(math.prod(lead), n, d), HeadParams(fn, base, scale))
+    return (out.reshape(*lead, d),)
 
 
 def _head_backward_local(config: Config, plan, dout, x, fn, base, scale):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     dout, x = _zero_padded_rows(plan.valid_tokens(lead), dout, x)
-    head = HeadParams(fn, base, scale)
-
-    def kernel():
-        t = math.prod(lead)
-        dx, *grads = head_backward(config, dout.reshape(t, d), x.reshape(t, n, d), head)
-        return (dx.reshape(x.shape), *grads)
-
-    def plain():
-        _, vjp = jax.vjp(lambda xs, p: reference.head(xs, p, config), x, head)
-        dx, grads = vjp(dout)
-        return (dx, *grads)
-
-    dx, *grads = jax.lax.platform_dependent(cpu=kernel, default=plain)
-    return (dx, *_psum_together(grads, plan.token_axes))
+    t = math.prod(lead)
+    dx, *grads = head_backward(config, dout.reshape(t, d), x.reshape(t, n, d), HeadParams(fn, base, scale))
+    return (dx.reshape(x.shape), *_psum_together(grads, plan.token_axes))
 
 
 _PARAMS = ("nd", "ndk", "a", "k")
@@ -407,6 +399,95 @@ PARTITIONED_TARGETS = frozenset(target for operation in OPERATIONS for target in
 """Every FFI target the JAX package calls; tests check it covers every registered target."""
 
 
+# Dispatch per platform (see the module docstring; README, Support).
+
+
+def registered_targets(platform: str) -> frozenset:
+    """The FFI targets this process registered for a lowering platform ("cpu", "cuda", ...)."""
+    return frozenset({"cpu": _ffi.TARGET_NAMES, "cuda": _ffi.CUDA_TARGETS}.get(platform, ()))
+
+
+def _where_registered(target: str, branch) -> dict:
+    """platform_dependent's keywords running ``branch`` on the platforms that registered ``target``."""
+    return {platform: branch for platform in ("cpu", "cuda") if target in registered_targets(platform)}
+
+
+# The documented fallbacks: where a platform lacks an operation's own kernel but has these
+# operations' kernels, the operation runs as them (its local function picks that branch).
+_FALLBACKS = {
+    BOUNDARY_FORWARD.name: (POST_FORWARD, PRE_FORWARD),
+    BOUNDARY_BACKWARD.name: (PRE_BACKWARD, POST_BACKWARD, POST_FORWARD),
+}
+FALLBACK_CHOICES = ("warn", "allow", "error")
+"""``fallback=`` of ``mhc.jax.boundary`` / ``sublayer``: run the documented fallback with a warning
+(once per process), run it silently, or raise instead of running it."""
+
+_warned: set = set()  # (public operation name, platform) pairs already warned about in this process
+
+
+def _public_name(operation: Operation) -> str:
+    return "mhc.jax." + operation.name.split("_")[0]
+
+
+def _check_platform_lowering(ctx, x, *, operation: Operation, fallback: str):
+    name = _public_name(operation)
+    substitutes = _FALLBACKS.get(operation.name, ())
+    own = frozenset(operation.targets) - {t for substitute in substitutes for t in substitute.targets}
+    for platform in ctx.module_context.platforms:
+        registered = registered_targets(platform)
+        if own <= registered:
+            continue
+        if substitutes and all(frozenset(s.targets) <= registered for s in substitutes):
+            what = f"{name}: no fused kernel for platform {platform!r}, so it runs as the separate post and pre kernels"
+            if fallback == "error":
+                raise NotImplementedError(
+                    f"{what}, which fallback='error' refuses. Pass fallback='allow' (or 'warn') to run them, "
+                    "or use_kernel=False for the plain JAX formulas."
+                )
+            if fallback == "warn" and (name, platform) not in _warned:
+                _warned.add((name, platform))
+                warnings.warn(
+                    f"{what} (same results; x_next goes through memory). Pass fallback='allow' to run this "
+                    "without the warning, or fallback='error' to raise instead. Warned once per process.",
+                    stacklevel=2,
+                )
+            continue
+        have = sorted(p for p in ("cpu", "cuda") if own <= registered_targets(p))
+        raise NotImplementedError(
+            f"{name}: mhc has no kernel for platform {platform!r} (its kernels run on: {', '.join(have)}). "
+            "Pass use_kernel=False to run the plain JAX formulas (mhc.jax.reference) instead."
+        )
+    return [x]
+
+
+# Identity on one operand; its lowering rule checks the platform (and warns or raises).
+_check_platform_p = Primitive("mhc_check_platform")
+_check_platform_p.def_abstract_eval(lambda x, **_: x)
+mlir.register_lowering(_check_platform_p, _check_platform_lowering)
+
+
+@functools.cache
+def _check_platform_jitted(operation: Operation, fallback: str):
+    return jax.jit(functools.partial(_check_platform_p.bind, operation=operation, fallback=fallback))
+
+
+# Bound outside jit (vmap of an eager call): lowered for the operand's platform all the same.
+_check_platform_p.def_impl(lambda x, **params: _check_platform_jitted(**params)(x))
+batching.primitive_batchers[_check_platform_p] = lambda args, dims, **params: (
+    _check_platform_p.bind(*args, **params),
+    dims[0],
+)
+
+
+def _apply(operation: Operation, config: Config, lead: int, *operands, fallback: str = "error") -> tuple:
+    """``apply``, after the platform check on the operand that decides the plan. The check sits
+    outside the partitioned call: inside, XLA would lower it only while compiling, per shard."""
+    operands = list(operands)
+    primary = operands[operation.primary]
+    operands[operation.primary] = _check_platform_p.bind(primary, operation=operation, fallback=fallback)
+    return apply(operation, config, lead, *operands)
+
+
 def _shaped(config: Config, d: int, params: Params) -> tuple:
     n, width = config.n, config.projection_width
     return params.norm_weight.reshape(n, d), params.phi.reshape(n, d, width), params.alpha, params.bias
@@ -424,14 +505,14 @@ def pre(config: Config, x, params: Params):
 
 def _pre_fwd(config, x, params):
     shaped = _shaped(config, x.shape[-1], params)
-    layer_in, h_post, h_res, partials = apply(PRE_FORWARD, config, _lead(x), x, *shaped)
+    layer_in, h_post, h_res, partials = _apply(PRE_FORWARD, config, _lead(x), x, *shaped)
     return (layer_in, x, h_post, h_res), (x, partials, params)
 
 
 def _pre_bwd(config, residuals, cotangents):
     x, partials, params = residuals
     shaped = _shaped(config, x.shape[-1], params)
-    dx, dnorm_weight, dphi, dalpha, dbias = apply(PRE_BACKWARD, config, _lead(x), *cotangents, x, partials, *shaped)
+    dx, dnorm_weight, dphi, dalpha, dbias = _apply(PRE_BACKWARD, config, _lead(x), *cotangents, x, partials, *shaped)
     return dx, Params(dnorm_weight.reshape(-1), dphi.reshape(params.phi.shape), dalpha, dbias)
 
 
@@ -441,7 +522,7 @@ pre.defvjp(_pre_fwd, _pre_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def post(config: Config, x, layer_out, h_post, h_res):
     """-> out [..., n, D]."""
-    return apply(POST_FORWARD, config, _lead(x), x, layer_out, h_post, h_res)[0]
+    return _apply(POST_FORWARD, config, _lead(x), x, layer_out, h_post, h_res)[0]
 
 
 def _post_fwd(config, x, layer_out, h_post, h_res):
@@ -449,33 +530,35 @@ def _post_fwd(config, x, layer_out, h_post, h_res):
 
 
 def _post_bwd(config, residuals, g):
-    return tuple(apply(POST_BACKWARD, config, _lead(residuals[0]), g, *residuals))
+    return tuple(_apply(POST_BACKWARD, config, _lead(residuals[0]), g, *residuals))
 
 
 post.defvjp(_post_fwd, _post_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def boundary(config: Config, x, layer_out, h_post, h_res, params: Params):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def boundary(config: Config, fallback: str, x, layer_out, h_post, h_res, params: Params):
     """post of sublayer l (x, layer_out, h_post, h_res) then pre of l+1 (params, config) ->
     layer_in [..., D], x_next (for the next context), h_post [..., n], h_res [..., n, n] of l+1:
-    the outputs of ``pre`` for x_next. The backward keeps x, not x_next (recomputed per tile)."""
-    return _boundary_fwd(config, x, layer_out, h_post, h_res, params)[0]
+    the outputs of ``pre`` for x_next. The backward keeps x, not x_next (recomputed per tile).
+    ``fallback``: one of FALLBACK_CHOICES, for a platform without the fused kernels."""
+    return _boundary_fwd(config, fallback, x, layer_out, h_post, h_res, params)[0]
 
 
-def _boundary_fwd(config, x, layer_out, h_post, h_res, params):
+def _boundary_fwd(config, fallback, x, layer_out, h_post, h_res, params):
     shaped = _shaped(config, x.shape[-1], params)
-    x_next, layer_in, next_h_post, next_h_res, partials = apply(
-        BOUNDARY_FORWARD, config, _lead(x), x, layer_out, h_post, h_res, *shaped
+    x_next, layer_in, next_h_post, next_h_res, partials = _apply(
+        BOUNDARY_FORWARD, config, _lead(x), x, layer_out, h_post, h_res, *shaped, fallback=fallback
     )
     return (layer_in, x_next, next_h_post, next_h_res), (x, layer_out, h_post, h_res, partials, params)
 
 
-def _boundary_bwd(config, residuals, cotangents):
+def _boundary_bwd(config, fallback, residuals, cotangents):
     x, layer_out, h_post, h_res, partials, params = residuals
     shaped = _shaped(config, x.shape[-1], params)
     # cotangents: layer_in, x_next (the next post's dx_partial), h_post, h_res of sublayer l+1.
-    results = apply(BOUNDARY_BACKWARD, config, _lead(x), *cotangents, x, layer_out, h_post, h_res, partials, *shaped)
+    operands = (*cotangents, x, layer_out, h_post, h_res, partials, *shaped)
+    results = _apply(BOUNDARY_BACKWARD, config, _lead(x), *operands, fallback=fallback)
     dx_partial, dlayer_out, dh_post, dh_res, dnorm_weight, dphi, dalpha, dbias = results
     grads = Params(dnorm_weight.reshape(-1), dphi.reshape(params.phi.shape), dalpha, dbias)
     return dx_partial, dlayer_out, dh_post, dh_res, grads
@@ -487,7 +570,7 @@ boundary.defvjp(_boundary_fwd, _boundary_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def head(config: Config, x, params: HeadParams):
     """DeepSeek-V4's head: x [..., n, D] -> [..., D]. The backward recomputes the gates from x."""
-    return apply(HEAD_FORWARD, config, _lead(x), x, *params)[0]
+    return _apply(HEAD_FORWARD, config, _lead(x), x, *params)[0]
 
 
 def _head_fwd(config, x, params):
@@ -496,7 +579,7 @@ def _head_fwd(config, x, params):
 
 def _head_bwd(config, residuals, dout):
     x, params = residuals
-    dx, dfn, dbase, dscale = apply(HEAD_BACKWARD, config, _lead(x), dout, x, *params)
+    dx, dfn, dbase, dscale = _apply(HEAD_BACKWARD, config, _lead(x), dout, x, *params)
     return dx, HeadParams(dfn, dbase, dscale)
 
 

@@ -1,0 +1,186 @@
+"""Dispatch per platform: use_kernel=True runs mhc kernels or raises an mhc error that names the
+operation, the platform and the way out; the one documented fallback (the boundary as its post
+and pre kernels where only those are registered: a GPU) warns once per process unless told not to.
+
+The platform is only known when XLA lowers the program, so these tests lower for other platforms
+with jax.export (no TPU or GPU needed): the errors come from lowering, as they would on the machine.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import mhc.jax as mj
+from conftest import random_params
+from mhc import _ffi
+from mhc.jax import _kernels
+
+CONFIG = mj.Config(n=4)
+T, D = 6, 16
+OPERATIONS = ("pre", "post", "boundary", "head")
+
+
+def _problem(operation: str):
+    """(loss(*args), args) for one public operation alone: its forward and its backward."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    x = jax.random.normal(keys[0], (T, CONFIG.n, D), jnp.float32)
+    layer_out = jax.random.normal(keys[1], (T, D), jnp.float32)
+    h_post = jax.random.uniform(keys[2], (T, CONFIG.n), jnp.float32)
+    h_res = jax.random.uniform(keys[3], (T, CONFIG.n, CONFIG.n), jnp.float32)
+    params = random_params(keys[4], CONFIG, D)
+
+    def context(x, h_post, h_res, use_kernel):
+        return mj.Context(x, h_post, h_res, CONFIG, use_kernel)
+
+    if operation == "pre":
+        return (lambda x, params, *, use_kernel, **kw: mj.pre(x, params, CONFIG, use_kernel=use_kernel)[0].sum()), (
+            x,
+            params,
+        )
+    if operation == "post":
+        return (
+            lambda x, lo, hp, hr, *, use_kernel, **kw: mj.post(lo, context(x, hp, hr, use_kernel)).sum(),
+            (x, layer_out, h_post, h_res),
+        )
+    if operation == "boundary":
+
+        def boundary(x, lo, hp, hr, params, *, use_kernel, **kw):
+            layer_in, _ = mj.boundary(lo, context(x, hp, hr, use_kernel), params, CONFIG, use_kernel=use_kernel, **kw)
+            return layer_in.sum()
+
+        return boundary, (x, layer_out, h_post, h_res, params)
+    head = mj.init_head_params(keys[4], CONFIG, D)
+    return (lambda x, head, *, use_kernel, **kw: mj.head(x, head, CONFIG, use_kernel=use_kernel).sum()), (x, head)
+
+
+def _export(operation: str, platforms, use_kernel: bool = True, **keywords):
+    """Exports the value and gradient of `operation` for `platforms`; the mhc custom calls are
+    allowed in the artifact (they have no compatibility guarantee, which export checks)."""
+    loss, args = _problem(operation)
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in _ffi.TARGET_NAMES]
+    function = jax.jit(jax.value_and_grad(lambda *a: loss(*a, use_kernel=use_kernel, **keywords)))
+    return jax.export.export(function, platforms=platforms, disabled_checks=checks)(*args)
+
+
+def _has_kernels(operation: str, platform: str) -> bool:
+    targets = {"pre": ("mhc_pre_forward", "mhc_pre_backward"), "post": ("mhc_post_forward", "mhc_post_backward")}
+    targets["boundary"] = ("mhc_boundary_forward", "mhc_boundary_backward")
+    targets["head"] = ("mhc_head_forward", "mhc_head_backward")
+    return set(targets[operation]) <= _kernels.registered_targets(platform)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The warn-once record emptied, as in a fresh process."""
+    monkeypatch.setattr(_kernels, "_warned", set())
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_a_tpu_gets_the_mhc_error(operation):
+    with pytest.raises(NotImplementedError, match=rf"mhc\.jax\.{operation}: .*'tpu'.*use_kernel=False"):
+        _export(operation, ["tpu"])
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_the_error_names_the_missing_platform_among_several(operation):
+    with pytest.raises(NotImplementedError, match=rf"mhc\.jax\.{operation}: .*'tpu'"):
+        _export(operation, ["cpu", "tpu"])
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_the_plain_path_lowers_anywhere(operation, platform):
+    exported = _export(operation, [platform], use_kernel=False)
+    assert "mhc_" not in exported.mlir_module()
+
+
+@pytest.mark.parametrize("operation", OPERATIONS)
+def test_the_cpu_runs_every_kernel(operation):
+    text = _export(operation, ["cpu"]).mlir_module()
+    assert f"mhc_{operation}_forward" in text and f"mhc_{operation}_backward" in text
+
+
+def test_the_head_on_a_gpu_raises():
+    """No CUDA head kernel: use_kernel=True raises, it never runs the plain formulas unasked."""
+    with pytest.raises(NotImplementedError, match=r"mhc\.jax\.head: .*'cuda'.*use_kernel=False"):
+        _export("head", ["cuda"])
+
+
+@pytest.mark.parametrize("operation", ["pre", "post"])
+def test_pre_and_post_on_a_gpu(operation):
+    """The CUDA kernels where this build has them (the _mhc_cuda module), else the mhc error."""
+    if _has_kernels(operation, "cuda"):
+        text = _export(operation, ["cuda"]).mlir_module()
+        assert f"mhc_{operation}_forward" in text and f"mhc_{operation}_backward" in text
+    else:
+        assert _ffi._mhc_cuda is None
+        with pytest.raises(NotImplementedError, match=rf"mhc\.jax\.{operation}: .*'cuda'"):
+            _export(operation, ["cuda"])
+
+
+def _needs_the_boundary_fallback():
+    if not (_has_kernels("pre", "cuda") and _has_kernels("post", "cuda")):
+        pytest.skip("built without CUDA (no _mhc_cuda module): the GPU has no mhc kernel to fall back on")
+    assert not _has_kernels("boundary", "cuda"), "a CUDA boundary kernel: the fallback tests are stale"
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_the_boundary_on_a_gpu_warns_once_per_process():
+    _needs_the_boundary_fallback()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = _export("boundary", ["cuda"]).mlir_module()  # forward and backward
+        _export("boundary", ["cuda"])  # a second program
+    messages = [str(w.message) for w in caught if "mhc" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "mhc.jax.boundary" in messages[0] and "'cuda'" in messages[0] and "fallback='allow'" in messages[0]
+    # What runs: the post and pre kernels, no boundary kernel.
+    assert "mhc_boundary" not in text
+    for target in ("mhc_post_forward", "mhc_pre_forward", "mhc_pre_backward", "mhc_post_backward"):
+        assert target in text, target
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_fallback_allow_silences_the_warning():
+    _needs_the_boundary_fallback()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = _export("boundary", ["cuda"], fallback="allow").mlir_module()
+    assert not [w for w in caught if "mhc" in str(w.message)]
+    assert "mhc_pre_forward" in text and "mhc_boundary" not in text
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_fallback_error_refuses_the_fallback():
+    _needs_the_boundary_fallback()
+    with pytest.raises(NotImplementedError, match=r"mhc\.jax\.boundary: .*'cuda'.*fallback='error'"):
+        _export("boundary", ["cuda"], fallback="error")
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_the_cpu_runs_the_fused_boundary_without_a_warning():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _export("boundary", ["cpu"], fallback="error")
+    assert not [w for w in caught if "mhc" in str(w.message)]
+
+
+def test_sublayer_passes_the_fallback_on():
+    _needs_the_boundary_fallback()
+    params = random_params(jax.random.key(1), CONFIG, D)
+    x = jnp.ones((T, CONFIG.n, D), jnp.float32)
+
+    def chain(x, params):
+        state = mj.sublayer(x, params, CONFIG, jnp.tanh, fallback="error")
+        return mj.finish(mj.sublayer(state, params, CONFIG, jnp.tanh, fallback="error")).sum()
+
+    with pytest.raises(NotImplementedError, match="fallback='error'"):
+        jax.export.export(jax.jit(chain), platforms=["cuda"])(x, params)
+
+
+def test_a_bad_fallback_is_refused():
+    loss, args = _problem("boundary")
+    with pytest.raises(ValueError, match=r"fallback: expected one of \('warn', 'allow', 'error'\), got 'quiet'"):
+        loss(*args, use_kernel=True, fallback="quiet")
