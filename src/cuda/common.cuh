@@ -1,5 +1,5 @@
 // Shared pieces of the CUDA kernels: activation loads and stores in f32, launch checks, the
-// per-thread scratch view of the coefficient kernels and a deterministic block sum.
+// per-thread scratch view of the coefficient kernels and a deterministic double block sum.
 //
 // STATUS: compiled in CI; not yet run on a GPU (no device was available when this was written).
 #pragma once
@@ -130,15 +130,17 @@ struct Slot {
 };
 
 // Sums values[v] over the block for v < count (count <= kCount, the same on every thread) into
-// out[v], in an order fixed by the block size alone: a shuffle tree in each warp, then the warps
-// in order. blockDim.x must be kBlockThreads. `scratch` holds kWarps * count floats.
+// out[v], in double and in an order fixed by the block size alone: a shuffle tree in each warp,
+// then the warps in order. blockDim.x must be kBlockThreads. `scratch` holds kWarps * count
+// doubles. The streaming kernels' per-token dots come here as per-thread double sums
+// (streams.cu says why double).
 template <int kCount>
-__device__ void block_sum(const float (&values)[kCount], int count, float* scratch, float* out) {
+__device__ void block_sum(const double (&values)[kCount], int count, double* scratch, double* out) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
   for (int v = 0; v < kCount; ++v) {
     if (v < count) {
-      float s = values[v];
+      double s = values[v];
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2) s += __shfl_down_sync(0xffffffffu, s, offset);
       if (lane == 0) scratch[warp * count + v] = s;
@@ -146,7 +148,7 @@ __device__ void block_sum(const float (&values)[kCount], int count, float* scrat
   }
   __syncthreads();
   for (int v = threadIdx.x; v < count; v += blockDim.x) {
-    float total = 0.0f;
+    double total = 0.0;
     for (int w = 0; w < kWarps; ++w) total += scratch[w * count + v];
     out[v] = total;
   }

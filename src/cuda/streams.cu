@@ -3,7 +3,30 @@
 // coefficients in shared memory and its streams in registers. Per-token sums over D (dh_post,
 // dh_res, dh_pre) are reduced inside the block in a fixed order, so no atomics are needed.
 //
-// STATUS: compiled in CI; not yet run on a GPU.
+// Precision of those sums: they add signed terms that can cancel far below the size of the terms,
+// and the CPU backend had to move exactly these sums to double after f32 partial sums missed the
+// spec's 1e-5 on one cancelling dh_post (n = 1, D = 130, a case the suite runs on both backends).
+// So, as there (src/cpu/post.cc, vector_math.h): each value is widened to double once, products
+// and per-thread sums are in double (fma_wide: the product of two f32 is exact), the block sum is
+// in double (block_sum), and the result is rounded to f32 once. Fixed order throughout: a thread
+// walks its features in increasing d, the block reduces in block_sum's fixed tree.
+//
+// Why double and not compensated f32: simpler, as accurate as the CPU by construction, and the
+// FP64 pipe has room. Napkin math for post_backward at T = 65536, n = 4, D = 7168 on the H200
+// (132 SMs at ~1.98 GHz; CUDA C++ Programming Guide throughput for sm_90: 64 FP64 FMAs and 16
+// conversions to or from 64-bit types per clock per SM): per token (n + n*n) D = 143k double FMAs
+// and (2n + 1) D = 65k widenings, 9.4e9 FMAs in 0.56 ms and 4.2e9 widenings in 1.0 ms, against
+// the 3.06 ms memory floor (/work/shared/guides/cuda.md): the FP64 pipe is at most about half busy
+// while memory sets the pace. dh_pre (pre_backward) needs n D FMAs and (n + 1) D widenings per
+// token, 0.11 + 0.56 ms against its 2.84 ms floor. Each value is widened once (the dot loops run
+// one feature at a time after the f32 mixes), never once per product, which would cost 4.5 ms.
+// Registers (ptxas -v, sm_90): post_backward's n <= 4 vector path 148-150 per thread (f32 sums:
+// 118-122), no spill, which leaves one 256-thread block per SM instead of two; the n <= 8 vector
+// path spills 270-390 bytes per thread (none before), the n <= 16 scalar path spilled before too.
+//
+// STATUS: compiled in CI; not yet run on a GPU. Unverified: the accuracy on a device, and the
+// timing above (derived; part 2 of issue 28 measures whether one block per SM still reaches the
+// bandwidth the f32 version would have).
 #include "common.cuh"
 #include "kernels.h"
 
@@ -83,7 +106,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // spec: Backward, Post. dlayer_out and dx_partial stream out; dh_post [n] and dh_res [n*n] are
-// per-thread partial sums over D, reduced over the block at the end of each token.
+// per-thread double sums over D, reduced over the block at the end of each token.
 template <class X, class L, int kMaxN, int V>
 __global__ void __launch_bounds__(kBlockThreads)
     post_backward_kernel(const X* __restrict__ g, const X* __restrict__ x,
@@ -93,15 +116,15 @@ __global__ void __launch_bounds__(kBlockThreads)
                          float* __restrict__ dh_res, int64_t T, int n, int64_t D) {
   constexpr int kSums = kMaxN + kMaxN * kMaxN;
   __shared__ float coefficients[kSums];
-  __shared__ float scratch[kWarps * kSums];
-  __shared__ float totals[kSums];
+  __shared__ double scratch[kWarps * kSums];
+  __shared__ double totals[kSums];
   const float* hp = coefficients;
   const float* hr = coefficients + n;
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
     load_coefficients(h_post, h_res, n, t, coefficients);
     // [0, kMaxN): dh_post; then dh_res[i][j] at kMaxN + i * kMaxN + j. Compile-time positions
     // keep the array in registers.
-    float partial[kSums] = {};
+    double partial[kSums] = {};
     const X* gt = g + t * n * D;
     const X* xt = x + t * n * D;
     for (int64_t d = threadIdx.x * int64_t{V}; d < D; d += int64_t{blockDim.x} * V) {
@@ -116,17 +139,13 @@ __global__ void __launch_bounds__(kBlockThreads)
       }
       float lo[V];
       load<V>(layer_out + t * D + d, lo);
+      // The mixes, in f32 (sums of n products).
       float dlo[V] = {};
 #pragma unroll
       for (int j = 0; j < kMaxN; ++j) {
         if (j >= n) break;
-        float dot = 0.0f;
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-          dlo[v] += hp[j] * gv[j][v];
-          dot += lo[v] * gv[j][v];
-        }
-        partial[j] += dot;
+        for (int v = 0; v < V; ++v) dlo[v] += hp[j] * gv[j][v];
       }
       store<V>(dlayer_out + t * D + d, dlo);
 #pragma unroll
@@ -137,56 +156,78 @@ __global__ void __launch_bounds__(kBlockThreads)
         for (int j = 0; j < kMaxN; ++j) {
           if (j >= n) break;
           const float h = hr[i * n + j];
-          float dot = 0.0f;
 #pragma unroll
-          for (int v = 0; v < V; ++v) {
-            dxi[v] += h * gv[j][v];
-            dot += xv[i][v] * gv[j][v];
-          }
-          partial[kMaxN + i * kMaxN + j] += dot;
+          for (int v = 0; v < V; ++v) dxi[v] += h * gv[j][v];
         }
         store<V>(dx_partial + (t * n + i) * D + d, dxi);
+      }
+      // The dots, one feature at a time: each value widened to double once, then its n + n*n
+      // products added in double.
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        const double lo_wide = lo[v];
+        double g_wide[kMaxN];
+#pragma unroll
+        for (int j = 0; j < kMaxN; ++j) {
+          if (j >= n) break;
+          g_wide[j] = gv[j][v];
+          partial[j] = fma(lo_wide, g_wide[j], partial[j]);
+        }
+#pragma unroll
+        for (int i = 0; i < kMaxN; ++i) {
+          if (i >= n) break;
+          const double x_wide = xv[i][v];
+#pragma unroll
+          for (int j = 0; j < kMaxN; ++j) {
+            if (j >= n) break;
+            partial[kMaxN + i * kMaxN + j] = fma(x_wide, g_wide[j], partial[kMaxN + i * kMaxN + j]);
+          }
+        }
       }
     }
     block_sum<kSums>(partial, kSums, scratch, totals);
     for (int e = threadIdx.x; e < n + n * n; e += blockDim.x) {
       if (e < n) {
-        dh_post[t * n + e] = totals[e];
+        dh_post[t * n + e] = static_cast<float>(totals[e]);
       } else {
         const int i = (e - n) / n, j = (e - n) % n;
-        dh_res[t * n * n + (e - n)] = totals[kMaxN + i * kMaxN + j];
+        dh_res[t * n * n + (e - n)] = static_cast<float>(totals[kMaxN + i * kMaxN + j]);
       }
     }
     __syncthreads();
   }
 }
 
-// dh_pre[t, k] = sum_d x[t, k, d] dlayer_in[t, d]   (spec: Backward, Pre-apply)
+// dh_pre[t, k] = sum_d x[t, k, d] dlayer_in[t, d]   (spec: Backward, Pre-apply), summed in double
+// like post_backward's dots.
 template <class X, int kMaxN, int V>
 __global__ void __launch_bounds__(kBlockThreads)
     dh_pre_kernel(const X* __restrict__ dlayer_in, const X* __restrict__ x,
                   float* __restrict__ dh_pre, int64_t T, int n, int64_t D) {
-  __shared__ float scratch[kWarps * kMaxN];
-  __shared__ float totals[kMaxN];
+  __shared__ double scratch[kWarps * kMaxN];
+  __shared__ double totals[kMaxN];
   for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
-    float partial[kMaxN] = {};
+    double partial[kMaxN] = {};
     const X* xt = x + t * n * D;
     for (int64_t d = threadIdx.x * int64_t{V}; d < D; d += int64_t{blockDim.x} * V) {
       float dli[V];
       load<V>(dlayer_in + t * D + d, dli);
+      double dli_wide[V];
+#pragma unroll
+      for (int v = 0; v < V; ++v) dli_wide[v] = dli[v];
 #pragma unroll
       for (int k = 0; k < kMaxN; ++k) {
         if (k >= n) break;
         float xv[V];
         load<V>(xt + k * D + d, xv);
-        float dot = 0.0f;
 #pragma unroll
-        for (int v = 0; v < V; ++v) dot += xv[v] * dli[v];
-        partial[k] += dot;
+        for (int v = 0; v < V; ++v)
+          partial[k] = fma(static_cast<double>(xv[v]), dli_wide[v], partial[k]);
       }
     }
     block_sum<kMaxN>(partial, n, scratch, totals);
-    for (int k = threadIdx.x; k < n; k += blockDim.x) dh_pre[t * n + k] = totals[k];
+    for (int k = threadIdx.x; k < n; k += blockDim.x)
+      dh_pre[t * n + k] = static_cast<float>(totals[k]);
     __syncthreads();
   }
 }
