@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mhc import jax as mhc_jax
@@ -18,22 +20,31 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
     ``state = layer.chain(norm_fn, branch_fn, state)`` per sublayer, then
     ``mhc.jax.finish(state)``. ``layer(norm_fn, branch_fn, x)`` is one whole sublayer.
 
+    The parameters are held as norm_weight [n, D], phi [n, D, N], alpha [3] and bias [N] whatever
+    the sharding (row k*D + d of the spec's flat [n*D] layout is [k, d]); ``params()`` gives the
+    flat ``mhc.jax.Params`` and ``load_params`` sets them from one (e.g. ``mhc.interop``'s).
+
+    Sharding: run the layer under ``nnx.jit`` with sharded inputs; the kernels' partitioning rules
+    keep tokens and D where they are (README, "Many devices"). ``feature_axis`` only annotates the
+    parameters: a logical (or mesh) axis name for D, recorded as their ``out_sharding`` metadata
+    ((None, feature_axis) and (None, feature_axis, None)) and resolved through logical axis rules
+    where set. With x's D on the same mesh axis the device holding a slice of x's features holds
+    the matching parameter rows: nothing moves, and the gradients come back sharded the same way.
+    Flax places annotated variables when they are created, so create the layer under a mesh
+    (``jax.set_mesh``); without ``feature_axis`` the parameters are unannotated (replicate them).
+
+    Diagnostics: with ``sow_mixes`` True each call sows its H_res [..., n, n] as the
+    ``nnx.Intermediate`` "h_res" (first index input stream i, second output stream j). Turn it on
+    for a probe with ``nnx.view(model, sow_mixes=True)`` and collect with ``nnx.capture``, under
+    ``nnx.jit`` or not: ``_, mixes = nnx.capture(probe, nnx.Intermediate)(x)``. It is off by
+    default, so training steps carry no intermediates.
+
     Args:
       config: ``mhc.jax.Config`` (n, mix, Sinkhorn settings).
       dim: D, the features per stream.
       use_kernel: True runs the fused C++ kernels (custom VJP); False the plain-JAX reference.
-      mesh, token_axes, tensor_axis: optional, and not needed to shard: under ``nnx.jit`` with
-        sharded inputs the kernels' partitioning rules keep them sharded (README, "Many
-        devices"). With a mesh, x and the outputs are also pinned to a layout
-        (``mhc.jax.sharded_pre``): the first axis of x split over the mesh axes ``token_axes``
-        and, with ``tensor_axis``, D split over that mesh axis.
-      feature_axis: optional; a logical (or mesh) axis name for D in the parameters' sharding
-        annotation (``out_sharding``, resolved through logical axis rules where set). The layer
-        then holds norm_weight as [n, D] and phi as [n, D, N], with D on that axis, so that the
-        device holding a slice of x's features holds the matching rows: with x's D on the same
-        mesh axis nothing moves, and the gradients come back sharded the same way. Create the
-        layer under a mesh (``jax.set_mesh``), as Flax requires for annotated variables. Without
-        it the parameters are flat ([n*D], [n*D, N]) and unannotated: replicate them.
+      feature_axis: optional sharding annotation of D, as above.
+      sow_mixes: sow each call's H_res, as above.
       rngs: ``nnx.Rngs`` for the initial phi.
     """
 
@@ -43,91 +54,75 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         dim: int,
         *,
         use_kernel: bool = True,
-        mesh=None,
-        token_axes=None,
-        tensor_axis=None,
         feature_axis: str | None = None,
+        sow_mixes: bool = False,
         rngs: nnx.Rngs,
     ):
-        if mesh is None and (token_axes is not None or tensor_axis is not None):
-            raise ValueError("token_axes/tensor_axis: name axes of a mesh; pass mesh too")
-        if mesh is not None and not use_kernel:
-            raise ValueError("mesh: sharding applies to the kernel path; with use_kernel=False use jit shardings")
         initial = mhc_jax.init_params(rngs.params(), config, dim)
+        n, width = config.n, config.projection_width
         self.config = config
         self.dim = dim
         self.use_kernel = use_kernel
-        self.mesh = mesh
-        self.token_axes = token_axes
-        self.tensor_axis = tensor_axis
-        if feature_axis is None:
-            self.norm_weight = nnx.Param(initial.norm_weight)
-            self.phi = nnx.Param(initial.phi)
-        else:
-            n, width = config.n, config.projection_width
-            self.norm_weight = nnx.Param(initial.norm_weight.reshape(n, dim), out_sharding=(None, feature_axis))
-            self.phi = nnx.Param(initial.phi.reshape(n, dim, width), out_sharding=(None, feature_axis, None))
+        self.sow_mixes = sow_mixes
+        self.norm_weight = nnx.Param(initial.norm_weight.reshape(n, dim), **_annotation(feature_axis, ndim=2))
+        self.phi = nnx.Param(initial.phi.reshape(n, dim, width), **_annotation(feature_axis, ndim=3))
         self.alpha = nnx.Param(initial.alpha)
         self.bias = nnx.Param(initial.bias)
-        # Diagnostics hook: when set (outside jit), called with each call's H_res [..., n, n].
-        self.on_mix = None
+
+    def set_view(self, sow_mixes: bool | None = None):
+        """For ``nnx.view``: ``sow_mixes`` as in the constructor."""
+        if sow_mixes is not None:
+            self.sow_mixes = sow_mixes
 
     def params(self) -> mhc_jax.Params:
-        norm_weight, phi = self.norm_weight[...], self.phi[...]
         width = self.config.projection_width
-        return mhc_jax.Params(norm_weight.reshape(-1), phi.reshape(-1, width), self.alpha[...], self.bias[...])
+        return mhc_jax.Params(
+            self.norm_weight[...].reshape(-1), self.phi[...].reshape(-1, width), self.alpha[...], self.bias[...]
+        )
+
+    def load_params(self, params: mhc_jax.Params) -> None:
+        """Set the parameters from ``mhc.jax.Params`` (flat, f32: what ``mhc.interop`` converts),
+        checked against this layer's n, D and mix; each keeps its variable's sharding."""
+        if not isinstance(params, mhc_jax.Params):
+            raise TypeError(f"params: expected mhc.jax.Params, got {type(params).__name__}")
+        m, width = self.config.n * self.dim, self.config.projection_width
+        expected = {"norm_weight": (m,), "phi": (m, width), "alpha": (3,), "bias": (width,)}
+        context = f"n={self.config.n}, D={self.dim}, mix={self.config.mix!r}"
+        _load(self, params, expected, context)
+
+    def _mixed(self, h_res: jax.Array) -> None:
+        if self.sow_mixes:
+            self.sow(nnx.Intermediate, "h_res", h_res)
 
     def chain(self, norm_fn: Callable, branch_fn: Callable, state) -> mhc_jax.Pending:
         """This sublayer in a stack, its post left pending so that the next sublayer's pre fuses
         with it (``mhc.jax.sublayer``): ``state`` is the streams [..., n, D] or the ``Pending`` of
         the previous layer's ``chain``; end the stack with ``mhc.jax.finish(state)``.
-
-        With ``mesh=`` the layouts are pinned by ``sharded_pre``/``sharded_post``, which do not
-        fuse: the pending post is applied first. (Without ``mesh=``, sharded inputs under
-        ``nnx.jit`` fuse on each device.)
         """
-        if self.mesh is not None:
-            return self._pinned_chain(norm_fn, branch_fn, state)
-        # The identity branch leaves layer_in where layer_out goes, for the hook to see H_res first.
+        # The identity branch leaves layer_in where layer_out goes, so that H_res is sown first.
         opened = mhc_jax.sublayer(state, self.params(), self.config, lambda h: h, use_kernel=self.use_kernel)
-        if self.on_mix is not None:
-            self.on_mix(opened.ctx.h_res)
+        self._mixed(opened.ctx.h_res)
         return mhc_jax.Pending(branch_fn(norm_fn(opened.layer_out)), opened.ctx)
 
-    def _pinned_chain(self, norm_fn: Callable, branch_fn: Callable, state) -> mhc_jax.Pending:
-        axes = dict(mesh=self.mesh, token_axes=self.token_axes, tensor_axis=self.tensor_axis)
-        if isinstance(state, mhc_jax.Pending):
-            state = mhc_jax.sharded_post(state.layer_out, state.ctx, **axes)
-        layer_in, ctx = mhc_jax.sharded_pre(state, self.params(), self.config, **axes)
-        if self.on_mix is not None:
-            self.on_mix(ctx.h_res)
-        return mhc_jax.Pending(branch_fn(norm_fn(layer_in)), ctx)
-
     def __call__(self, norm_fn: Callable, branch_fn: Callable, x: jax.Array) -> jax.Array:
-        axes = dict(mesh=self.mesh, token_axes=self.token_axes, tensor_axis=self.tensor_axis)
-        if self.mesh is not None:
-            layer_in, ctx = mhc_jax.sharded_pre(x, self.params(), self.config, **axes)
-        else:
-            layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
-        if self.on_mix is not None:
-            self.on_mix(ctx.h_res)
-        layer_out = branch_fn(norm_fn(layer_in))
-        if self.mesh is not None:
-            return mhc_jax.sharded_post(layer_out, ctx, **axes)
-        return mhc_jax.post(layer_out, ctx)
+        layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
+        self._mixed(ctx.h_res)
+        return mhc_jax.post(branch_fn(norm_fn(layer_in)), ctx)
 
 
 class Head(nnx.Module):
     """DeepSeek-V4's head: the learned collapse of the n streams [..., n, D] into one [..., D]
     after the last sublayer (``mhc.jax.head``; spec: Head), in place of ``mhc.jax.reduce``.
 
-    Parameters as V4 stores them: fn [n, n*D], base [n], scale [1] (``mhc.jax.HeadParams``).
+    Parameters as V4 stores them: fn [n, n*D], base [n], scale [1] (``mhc.jax.HeadParams``);
+    ``load_params`` sets them from one (e.g. ``mhc.interop.load_v4(...).head``).
     ``use_kernel`` as for ``ManifoldConstrainedHyperConnections``.
     """
 
     def __init__(self, config: mhc_jax.Config, dim: int, *, use_kernel: bool = True, rngs: nnx.Rngs):
         initial = mhc_jax.init_head_params(rngs.params(), config, dim)
         self.config = config
+        self.dim = dim
         self.use_kernel = use_kernel
         self.fn = nnx.Param(initial.fn)
         self.base = nnx.Param(initial.base)
@@ -136,5 +131,38 @@ class Head(nnx.Module):
     def params(self) -> mhc_jax.HeadParams:
         return mhc_jax.HeadParams(self.fn[...], self.base[...], self.scale[...])
 
+    def load_params(self, params: mhc_jax.HeadParams) -> None:
+        """Set fn, base and scale from ``mhc.jax.HeadParams`` (f32), checked against n and D."""
+        if not isinstance(params, mhc_jax.HeadParams):
+            raise TypeError(f"params: expected mhc.jax.HeadParams, got {type(params).__name__}")
+        n = self.config.n
+        _load(self, params, {"fn": (n, n * self.dim), "base": (n,), "scale": (1,)}, f"n={n}, D={self.dim}")
+
     def __call__(self, x: jax.Array) -> jax.Array:
         return mhc_jax.head(x, self.params(), self.config, use_kernel=self.use_kernel)
+
+
+def _annotation(feature_axis: str | None, *, ndim: int) -> dict:
+    """out_sharding metadata of a [n, D, ...] parameter naming D's axis, or none."""
+    if feature_axis is None:
+        return {}
+    return {"out_sharding": (None, feature_axis) + (None,) * (ndim - 2)}
+
+
+def _load(module: nnx.Module, params, expected: dict, context: str) -> None:
+    """Check every field of ``params`` first (shape, f32), then set each variable to it in the
+    variable's own shape, and placed as the variable is where that placement is a mesh sharding
+    (an annotated parameter); otherwise left uncommitted, free to follow its inputs under jit."""
+    for name, shape in expected.items():
+        value = getattr(params, name)
+        if tuple(np.shape(value)) != shape:
+            raise ValueError(f"params.{name}: expected shape {shape} for {context}, got {tuple(np.shape(value))}")
+        if jnp.result_type(value) != jnp.float32:
+            raise TypeError(f"params.{name}: expected float32, got {jnp.result_type(value)}")
+    for name in expected:
+        variable = getattr(module, name)
+        current = variable[...]
+        value = jnp.reshape(jnp.asarray(getattr(params, name)), current.shape)
+        if isinstance(current.sharding, jax.sharding.NamedSharding):
+            value = jax.device_put(value, current.sharding)
+        variable[...] = value

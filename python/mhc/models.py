@@ -12,8 +12,9 @@ With n streams (every kind but plain): embedding -> ``mhc.jax.expand`` to n stre
 collapse of the n streams into one (``ModelConfig.collapse``: DeepSeek-V4's learned head
 ``mhc.flax.Head``, or the plain sum ``mhc.jax.reduce``) -> final RMSNorm -> logits.
 
-Every multi-stream kind exposes its H_res per sublayer through ``Transformer.residual_mixes`` (in the
-spec's orientation: first index input stream i, second output stream j), for the Amax gain.
+Every multi-stream kind sows its H_res per sublayer when asked (``sow_mixes``, turned on by
+``nnx.view``), and ``Transformer.residual_mixes`` collects them with ``nnx.capture`` (in the spec's
+orientation: first index input stream i, second output stream j), for the Amax gain.
 """
 
 from __future__ import annotations
@@ -79,9 +80,12 @@ class HyperConnections(nnx.Module):
     sigmoid, so the product of the H_res over depth is free to grow (or shrink) in norm.
     """
 
-    def __init__(self, n: int, dim: int, layer_index: int, *, rms_eps: float = 1e-6):
+    def __init__(self, n: int, dim: int, layer_index: int, *, rms_eps: float = 1e-6, sow_mixes: bool = False):
         self.n = n
         self.rms_eps = rms_eps
+        # As ManifoldConstrainedHyperConnections': each call sows its H_res [..., n, n] as the
+        # nnx.Intermediate "h_res" when set (nnx.view(model, sow_mixes=True)).
+        self.sow_mixes = sow_mixes
         self.static_pre = nnx.Param(jax.nn.one_hot(layer_index % n, n, dtype=jnp.float32))
         self.static_post = nnx.Param(jnp.ones((n,), jnp.float32))
         self.static_res = nnx.Param(jnp.eye(n, dtype=jnp.float32))
@@ -90,8 +94,11 @@ class HyperConnections(nnx.Module):
         self.dynamic_res = nnx.Param(jnp.zeros((dim, n), jnp.float32))
         self.scale_mix = nnx.Param(jnp.full((), 0.01, jnp.float32))
         self.scale_post = nnx.Param(jnp.full((), 0.01, jnp.float32))
-        # Diagnostics hook: when set (outside jit), called with each call's H_res [..., n, n].
-        self.on_mix = None
+
+    def set_view(self, sow_mixes: bool | None = None):
+        """For ``nnx.view``: ``sow_mixes`` as in the constructor."""
+        if sow_mixes is not None:
+            self.sow_mixes = sow_mixes
 
     def coefficients(self, x: jax.Array):
         """(H_pre [..., n], H_post [..., n], H_res [..., n, n]) of the streams x [..., n, D], f32."""
@@ -104,8 +111,8 @@ class HyperConnections(nnx.Module):
 
     def __call__(self, norm_fn, branch_fn, x: jax.Array) -> jax.Array:
         h_pre, h_post, h_res = self.coefficients(x)
-        if self.on_mix is not None:
-            self.on_mix(h_res)
+        if self.sow_mixes:
+            self.sow(nnx.Intermediate, "h_res", h_res)
         layer_in = jnp.einsum("...k,...kd->...d", h_pre, x).astype(x.dtype)
         layer_out = branch_fn(norm_fn(layer_in))
         mixed = jnp.einsum("...ij,...id->...jd", h_res, x)
@@ -170,8 +177,9 @@ class Block(nnx.Module):
         state = self.attn_hc.chain(self.attn_norm, self.attn, x)
         return self.mlp_hc.chain(self.mlp_norm, self.mlp, state)
 
-    def hyper_connections(self):
-        return [] if self.residual == "plain" else [self.attn_hc, self.mlp_hc]
+    def hyper_connection_names(self) -> tuple[str, ...]:
+        """The attributes holding this block's connections, in depth order."""
+        return () if self.residual == "plain" else ("attn_hc", "mlp_hc")
 
 
 class Transformer(nnx.Module):
@@ -203,20 +211,19 @@ class Transformer(nnx.Module):
         return self.head(self.final_norm(h))
 
     def residual_mixes(self, tokens) -> np.ndarray:
-        """H_res of every sublayer in depth order, [2L, batch*seq, n, n] (empty for plain)."""
-        layers = [hc for block in self.blocks for hc in block.hyper_connections()]
-        if not layers:
+        """H_res of every sublayer in depth order, [2L, batch*seq, n, n] (empty for plain): one
+        forward of a view that sows them, collected with ``nnx.capture``."""
+        if self.config.residual == "plain":
             return np.zeros((0, 0, 0, 0))
-        mixes = []
-        for hc in layers:
-            hc.on_mix = lambda h_res: mixes.append(np.asarray(h_res))
-        try:
-            self(tokens)
-        finally:
-            for hc in layers:
-                hc.on_mix = None
+        probe = nnx.view(self, sow_mixes=True)
+        _, sown = nnx.jit(nnx.capture(Transformer.__call__, nnx.Intermediate))(probe, tokens)
         n = self.config.n
-        return np.stack([m.reshape(-1, n, n) for m in mixes])
+        mixes = []
+        for index, block in enumerate(self.blocks):
+            for name in block.hyper_connection_names():
+                (h_res,) = sown["blocks"][index][name]["h_res"].get_value()
+                mixes.append(np.asarray(h_res).reshape(-1, n, n))
+        return np.stack(mixes)
 
 
 def loss_fn(model: Transformer, tokens, targets):

@@ -46,9 +46,96 @@ def test_kernel_switch_same_outputs_and_grads(seed, mix):
         assert error <= 1e-5, f"d{name}: {error:.3g} (seed {seed})"
 
 
-def test_layer_validates_its_arguments():
-    with pytest.raises(ValueError, match="pass mesh too"):
-        ManifoldConstrainedHyperConnections(mj.Config(n=2), 8, tensor_axis="tensor", rngs=nnx.Rngs(0))
+def test_parameters_hold_one_shape_and_params_is_flat(seed):
+    config, d = mj.Config(n=3, mix="permutations"), 5
+    layer = ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed))
+    width = config.projection_width
+    assert layer.norm_weight[...].shape == (3, d) and layer.phi[...].shape == (3, d, width)
+    # Row k*D + d of the flat layout is [k, d]: params() reshapes, in the spec's order.
+    want = mj.init_params(nnx.Rngs(seed).params(), config, d)
+    for got, expected in zip(layer.params(), want, strict=True):
+        assert got.shape == expected.shape and jnp.array_equal(got, expected)
+
+
+def test_weights_from_v4_load_in_one_call(seed):
+    """A round trip through the DeepSeek-V4 converters: V4 tensors -> Params -> the layer -> the
+    same V4 tensors, and the layer computes with exactly the loaded values (head alike)."""
+    import numpy as np
+
+    from mhc import interop
+    from mhc.flax import Head
+
+    rng = np.random.default_rng(seed)
+    config, d = mj.Config(n=4), 6
+    width, m = config.projection_width, config.n * d
+    names = interop.v4_sublayer_names(2, "ffn")
+    tensors = {
+        names["fn"]: rng.standard_normal((width, m)).astype(np.float32),
+        names["base"]: rng.standard_normal(width).astype(np.float32),
+        names["scale"]: rng.standard_normal(3).astype(np.float32),
+    }
+    layer = ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed))
+    layer.load_params(interop.params_from_v4(tensors, config, layer=2, sublayer="ffn"))
+    back = interop.params_to_v4(layer.params(), config, layer=2, sublayer="ffn")
+    for name, value in tensors.items():
+        assert np.array_equal(np.asarray(back[name]), value), name
+    x = jax.random.normal(jax.random.key(seed), (3, 4, d))
+    params = interop.params_from_v4(tensors, config, layer=2, sublayer="ffn")
+    want = mj.post(jnp.tanh(mj.pre(x, params, config)[0]), mj.pre(x, params, config)[1])
+    assert jnp.array_equal(layer(lambda h: h, jnp.tanh, x), want)
+
+    head_tensors = {
+        "hc_head_fn": rng.standard_normal((config.n, m)).astype(np.float32),
+        "hc_head_base": rng.standard_normal(config.n).astype(np.float32),
+        "hc_head_scale": rng.standard_normal(1).astype(np.float32),
+    }
+    head = Head(config, d, rngs=nnx.Rngs(seed))
+    head.load_params(interop.head_from_v4(head_tensors, config))
+    for name, value in interop.head_to_v4(head.params(), config).items():
+        assert np.array_equal(np.asarray(value), head_tensors[name]), name
+
+
+def test_load_params_checks_what_it_is_given(seed):
+    from mhc.flax import Head
+
+    config, d = mj.Config(n=2), 4
+    layer = ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed))
+    before = layer.params()
+    other_width = mj.init_params(jax.random.key(0), config, d + 1)
+    with pytest.raises(ValueError, match=r"params\.norm_weight: expected shape \(8,\) for n=2, D=4, mix='sinkhorn'"):
+        layer.load_params(other_width)
+    with pytest.raises(TypeError, match=r"params\.phi: expected float32, got bfloat16"):
+        layer.load_params(before._replace(phi=before.phi.astype(jnp.bfloat16)))
+    with pytest.raises(TypeError, match=r"params: expected mhc\.jax\.Params, got HeadParams"):
+        layer.load_params(mj.init_head_params(jax.random.key(0), config, d))
+    for got, want in zip(layer.params(), before, strict=True):
+        assert jnp.array_equal(got, want)  # nothing was set by a failed load
+    head = Head(config, d, rngs=nnx.Rngs(seed))
+    with pytest.raises(ValueError, match=r"params\.fn: expected shape \(2, 8\) for n=2, D=4"):
+        head.load_params(mj.init_head_params(jax.random.key(0), config, d + 1))
+
+
+def test_mixes_are_sown_when_asked_and_read_under_nnx_jit(seed):
+    """H_res is sown as nnx.Intermediate "h_res" by a view with sow_mixes=True, collected with
+    nnx.capture under nnx.jit (whole layers and chains alike); without it nothing is stored."""
+    config, d = mj.Config(n=3), 8
+    layers = make_layers(seed, config, d)
+    x = jax.random.normal(jax.random.key(seed + 1), (2, 5, 3, d))
+    for use_kernel, layer in layers.items():
+        want = mj.pre(x, layer.params(), config, use_kernel=use_kernel)[1].h_res
+        probe = nnx.view(layer, sow_mixes=True)
+        forward = nnx.jit(nnx.capture(lambda layer, x: layer(rms_norm, jnp.tanh, x), nnx.Intermediate))
+        out, sown = forward(probe, x)
+        # jit and eager may round differently (fusion): the values agree to f32 rounding.
+        (h_res,) = sown["h_res"].get_value()
+        assert h_res.shape == (2, 5, 3, 3) and relative_error(h_res, want) <= 1e-6
+        chained = nnx.jit(nnx.capture(lambda layer, x: mj.finish(layer.chain(rms_norm, jnp.tanh, x)), nnx.Intermediate))
+        _, sown = chained(probe, x)
+        assert relative_error(sown["h_res"].get_value()[0], want) <= 1e-6
+        assert not layer.sow_mixes and not nnx.state(layer, nnx.Intermediate)
+        plain = nnx.jit(lambda layer, x: layer(rms_norm, jnp.tanh, x))(layer, x)
+        assert relative_error(out, plain) <= 1e-6
+        assert not nnx.state(layer, nnx.Intermediate)  # training steps carry no intermediates
 
 
 class Stack(nnx.Module):

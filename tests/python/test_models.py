@@ -55,10 +55,9 @@ def test_hc_mixes_are_unconstrained_and_mhc_mixes_doubly_stochastic(seed):
     column_error = {}
     for residual, layer in layers.items():
         _randomize(layer, rng)
-        mixes = []
-        layer.on_mix = mixes.append
-        layer(lambda h: h, lambda h: h, x)
-        (h_res,) = np.asarray(mixes)
+        _, sown = nnx.capture(nnx.view(layer, sow_mixes=True), nnx.Intermediate)(lambda h: h, lambda h: h, x)
+        (h_res,) = sown["h_res"].get_value()
+        h_res = np.asarray(h_res)
         assert h_res.shape == (6, 4, 4)
         column_error[residual] = np.abs(h_res.sum(axis=-2) - 1.0).max()
         if residual != "hc":
