@@ -10,7 +10,9 @@ def amax_gain(h_res_per_layer) -> tuple[np.ndarray, np.ndarray]:
 
     Args:
       h_res_per_layer: the H_res of each mHC sublayer in depth order, shape [L, T, n, n] (or a
-        list of [T, n, n]); first index input stream i, second output stream j.
+        list of [T, n, n]); first index input stream i, second output stream j. The Flax layers
+        sow them (``sow_mixes``; ``nnx.view`` turns it on, ``nnx.capture`` collects them):
+        ``mhc.models.Transformer.residual_mixes`` returns a model's in this layout.
 
     One sublayer maps the streams by A = H_res^T, so depth l composes C_l = A_l ... A_1 per token.
     Forward gain: the largest absolute row sum of C_l; backward gain: the largest absolute column
