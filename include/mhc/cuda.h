@@ -13,8 +13,10 @@
 // summed in a fixed order; no floating-point atomics.
 //
 // Errors: bad arguments throw mhc::Error before anything is enqueued (the same checks and messages
-// as the CPU operations, with "mhc::cuda::" in front). A failed launch throws mhc::Error naming
-// the CUDA error; an earlier asynchronous error on the stream can surface here too.
+// as the CPU operations, with "mhc::cuda::" in front). So does a shape whose grid CUDA cannot hold
+// (more than 2^31 - 1 blocks; argument "x", naming the kernel): every grid of an operation is
+// checked before its first launch. A failed launch throws mhc::Error naming the CUDA error; an
+// earlier asynchronous error on the stream can surface here too.
 //
 // STATUS: compiled and linked in CI, not yet run on a GPU (see README, "Support").
 #pragma once

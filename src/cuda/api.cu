@@ -1,5 +1,6 @@
 // The public operations of mhc/cuda.h: the same argument checks as the CPU operations, the
-// workspace carved into the kernels' scratch, then the launches on the caller's stream.
+// workspace carved into the kernels' scratch, every grid of the operation checked (checked_grid),
+// and only then the launches on the caller's stream, so a failing operation enqueues nothing.
 //
 // pre_forward:   projection partials -> per-token coefficients -> pre-apply
 // post_forward:  one streaming kernel
@@ -120,24 +121,42 @@ void check_workspace(const char* op, const Workspace& workspace, int64_t needed,
 const float* f32(const TensorRef& view) { return static_cast<const float*>(view.data); }
 float* f32(const MutableTensorRef& view) { return static_cast<float*>(view.data); }
 
+// The grids of the backward from the coefficients' inputs on, checked together before the
+// operation's first launch.
+struct TailGrids {
+  Grid coefficients, input_grad, weight_grad, weight_grad_finish, term_groups;
+};
+
+TailGrids plan_pre_backward_tail(const char* op, const detail::Dims& d,
+                                 const PreBackwardScratch& w) {
+  return TailGrids{
+      checked_grid(op, "backward_coefficients", coefficient_blocks(w.slots), d),
+      checked_grid(op, "input_grad", input_grad_blocks(d), d),
+      checked_grid(op, "weight_grad", weight_grad_blocks(d), d),
+      checked_grid(op, "weight_grad_finish", weight_grad_finish_blocks(d), d),
+      checked_grid(op, "term_group_sums", term_group_blocks(d), d),
+  };
+}
+
 // The backward from the coefficients' inputs (the summed projection partials and dh_pre) on:
 // the coefficient backward, dx, then the parameter gradients.
 void pre_backward_tail(const Config& config, const detail::Dims& d, const PreBackwardScratch& w,
-                       const ProjectionSplit& split, const float* partials, const float* dh_pre,
-                       const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                       const TailGrids& grids, const ProjectionSplit& split, const float* partials,
+                       const float* dh_pre, const TensorRef& dlayer_in, const TensorRef& dx_partial,
                        const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
                        const Params& params, const MutableTensorRef& dx, const ParamGrads& grads,
                        cudaStream_t stream) {
-  launch_backward_coefficients(config, d, split, partials, dh_pre, f32(dh_post), f32(dh_res),
-                               f32(params.alpha), f32(params.bias), w.token, w.slots,
+  launch_backward_coefficients(config, d, split, grids.coefficients, partials, dh_pre, f32(dh_post),
+                               f32(dh_res), f32(params.alpha), f32(params.bias), w.token, w.slots,
                                w.coefficient_scratch, stream);
-  launch_input_grad(d, x, dlayer_in, dx_partial, w.token.h_pre, w.token.x_coef, w.token.dP,
-                    f32(params.norm_weight), f32(params.phi), dx, stream);
-  launch_weight_grad(d, x, w.token.dP, w.weight_partials, stream);
+  launch_input_grad(d, grids.input_grad, x, dlayer_in, dx_partial, w.token.h_pre, w.token.x_coef,
+                    w.token.dP, f32(params.norm_weight), f32(params.phi), dx, stream);
+  launch_weight_grad(d, grids.weight_grad, x, w.token.dP, w.weight_partials, stream);
   // These two run for T = 0 as well: they write the zero gradients.
-  launch_weight_grad_finish(d, w.weight_partials, f32(params.norm_weight), f32(params.phi),
-                            f32(grads.phi), f32(grads.norm_weight), stream);
-  launch_term_sums(d, w.token.terms, w.term_group_sums, f32(grads.bias), f32(grads.alpha), stream);
+  launch_weight_grad_finish(d, grids.weight_grad_finish, w.weight_partials, f32(params.norm_weight),
+                            f32(params.phi), f32(grads.phi), f32(grads.norm_weight), stream);
+  launch_term_sums(d, grids.term_groups, w.token.terms, w.term_group_sums, f32(grads.bias),
+                   f32(grads.alpha), stream);
 }
 
 template <class Carve>
@@ -152,6 +171,17 @@ int64_t bytes_of(const char* op, const Config& config, int64_t tokens, Carve car
 constexpr ProjectionSplit kSummed{1, 0};
 
 }  // namespace
+
+Grid checked_grid(const char* op, const char* kernel, int64_t blocks, const detail::Dims& d) {
+  if (blocks < 0 || blocks > kMaxGridBlocks) {
+    throw Error(op, "x",
+                "expected a shape whose " + std::string(kernel) + " grid fits in " +
+                    std::to_string(kMaxGridBlocks) + " blocks, got T = " + std::to_string(d.T) +
+                    ", n = " + std::to_string(d.n) + ", D = " + std::to_string(d.D) + " (" +
+                    std::to_string(blocks) + " blocks): split the tokens over several calls");
+  }
+  return Grid(static_cast<unsigned>(blocks));
+}
 
 int64_t pre_forward_workspace_bytes(const Config& config, int64_t tokens) {
   return bytes_of("mhc::cuda::pre_forward_workspace_bytes", config, tokens,
@@ -193,11 +223,16 @@ void pre_forward(const Config& config, const TensorRef& x, const Params& params,
   if (d.T == 0) return;
   Carver carver(workspace.data);
   const PreForwardScratch w = carve_pre_forward(config, d, kProjection | kCoefficients, carver);
-  launch_projection(d, w.split, x, f32(params.norm_weight), f32(params.phi), w.partials, stream);
-  launch_forward_coefficients(config, d, w.split, w.partials, f32(params.alpha), f32(params.bias),
-                              f32(outputs.h_pre), f32(outputs.h_post), f32(outputs.h_res), w.slots,
-                              w.coefficient_scratch, stream);
-  launch_pre_apply(d, x, f32(outputs.h_pre), outputs.layer_in, stream);
+  const Grid projection = checked_grid(op, "projection", projection_blocks(d, w.split), d);
+  const Grid coefficients =
+      checked_grid(op, "forward_coefficients", coefficient_blocks(w.slots), d);
+  const Grid apply = checked_grid(op, "pre_apply", token_blocks(d.T), d);
+  launch_projection(d, w.split, projection, x, f32(params.norm_weight), f32(params.phi), w.partials,
+                    stream);
+  launch_forward_coefficients(config, d, w.split, coefficients, w.partials, f32(params.alpha),
+                              f32(params.bias), f32(outputs.h_pre), f32(outputs.h_post),
+                              f32(outputs.h_res), w.slots, w.coefficient_scratch, stream);
+  launch_pre_apply(d, apply, x, f32(outputs.h_pre), outputs.layer_in, stream);
   check_launch(op, "kernels");
 }
 
@@ -207,7 +242,8 @@ void post_forward(const Config& config, const TensorRef& x, const TensorRef& lay
   const char* op = "mhc::cuda::post_forward";
   const detail::Dims d = detail::check_post_forward(op, config, x, layer_out, h_post, h_res, out);
   if (d.T == 0) return;
-  launch_post_forward(d, x, layer_out, h_post, h_res, out, stream);
+  const Grid grid = checked_grid(op, "post_forward", token_blocks(d.T), d);
+  launch_post_forward(d, grid, x, layer_out, h_post, h_res, out, stream);
   check_launch(op, "kernels");
 }
 
@@ -218,7 +254,8 @@ void post_backward(const Config& config, const TensorRef& g, const TensorRef& x,
   const detail::Dims d =
       detail::check_post_backward(op, config, g, x, layer_out, h_post, h_res, outputs);
   if (d.T == 0) return;
-  launch_post_backward(d, g, x, layer_out, h_post, h_res, outputs, stream);
+  const Grid grid = checked_grid(op, "post_backward", token_blocks(d.T), d);
+  launch_post_backward(d, grid, g, x, layer_out, h_post, h_res, outputs, stream);
   check_launch(op, "kernels");
 }
 
@@ -233,10 +270,14 @@ void pre_backward(const Config& config, const TensorRef& dlayer_in, const Tensor
                   "mhc::cuda::pre_backward_workspace_bytes");
   Carver carver(workspace.data);
   const PreBackwardScratch w = carve_pre_backward(config, d, true, carver);
-  launch_projection(d, w.split, x, f32(params.norm_weight), f32(params.phi), w.partials, stream);
-  launch_dh_pre(d, dlayer_in, x, w.dh_pre, stream);
-  pre_backward_tail(config, d, w, w.split, w.partials, w.dh_pre, dlayer_in, dx_partial, dh_post,
-                    dh_res, x, params, dx, grads, stream);
+  const Grid projection = checked_grid(op, "projection", projection_blocks(d, w.split), d);
+  const Grid dh_pre = checked_grid(op, "dh_pre", token_blocks(d.T), d);
+  const TailGrids tail = plan_pre_backward_tail(op, d, w);
+  launch_projection(d, w.split, projection, x, f32(params.norm_weight), f32(params.phi), w.partials,
+                    stream);
+  launch_dh_pre(d, dh_pre, dlayer_in, x, w.dh_pre, stream);
+  pre_backward_tail(config, d, w, tail, w.split, w.partials, w.dh_pre, dlayer_in, dx_partial,
+                    dh_post, dh_res, x, params, dx, grads, stream);
   check_launch(op, "kernels");
 }
 
@@ -251,8 +292,10 @@ void pre_forward_partials(const Config& config, const TensorRef& x, const Tensor
   if (d.T == 0) return;
   Carver carver(workspace.data);
   const PreForwardScratch w = carve_pre_forward(config, d, kProjection, carver);
-  launch_projection(d, w.split, x, f32(norm_weight), f32(phi), w.partials, stream);
-  launch_sum_slices(d, w.split, w.partials, f32(partials), stream);
+  const Grid projection = checked_grid(op, "projection", projection_blocks(d, w.split), d);
+  const Grid sum = checked_grid(op, "sum_slices", sum_slices_blocks(d), d);
+  launch_projection(d, w.split, projection, x, f32(norm_weight), f32(phi), w.partials, stream);
+  launch_sum_slices(d, w.split, sum, w.partials, f32(partials), stream);
   check_launch(op, "kernels");
 }
 
@@ -268,10 +311,13 @@ void pre_forward_finish(const Config& config, const TensorRef& x, const TensorRe
   if (d.T == 0) return;
   Carver carver(workspace.data);
   const PreForwardScratch w = carve_pre_forward(config, d, kCoefficients, carver);
-  launch_forward_coefficients(config, d, kSummed, f32(partials), f32(alpha), f32(bias),
-                              f32(outputs.h_pre), f32(outputs.h_post), f32(outputs.h_res), w.slots,
-                              w.coefficient_scratch, stream);
-  launch_pre_apply(d, x, f32(outputs.h_pre), outputs.layer_in, stream);
+  const Grid coefficients =
+      checked_grid(op, "forward_coefficients", coefficient_blocks(w.slots), d);
+  const Grid apply = checked_grid(op, "pre_apply", token_blocks(d.T), d);
+  launch_forward_coefficients(config, d, kSummed, coefficients, f32(partials), f32(alpha),
+                              f32(bias), f32(outputs.h_pre), f32(outputs.h_post),
+                              f32(outputs.h_res), w.slots, w.coefficient_scratch, stream);
+  launch_pre_apply(d, apply, x, f32(outputs.h_pre), outputs.layer_in, stream);
   check_launch(op, "kernels");
 }
 
@@ -280,7 +326,8 @@ void pre_backward_partials(const Config& config, const TensorRef& dlayer_in, con
   const char* op = "mhc::cuda::pre_backward_partials";
   const detail::Dims d = detail::check_pre_backward_partials(op, config, dlayer_in, x, dh_pre);
   if (d.T == 0) return;
-  launch_dh_pre(d, dlayer_in, x, f32(dh_pre), stream);
+  const Grid grid = checked_grid(op, "dh_pre", token_blocks(d.T), d);
+  launch_dh_pre(d, grid, dlayer_in, x, f32(dh_pre), stream);
   check_launch(op, "kernels");
 }
 
@@ -297,7 +344,8 @@ void pre_backward_finish(const Config& config, const TensorRef& dlayer_in,
                   "mhc::cuda::pre_backward_finish_workspace_bytes");
   Carver carver(workspace.data);
   const PreBackwardScratch w = carve_pre_backward(config, d, false, carver);
-  pre_backward_tail(config, d, w, kSummed, f32(partials), f32(dh_pre), dlayer_in, dx_partial,
+  const TailGrids tail = plan_pre_backward_tail(op, d, w);
+  pre_backward_tail(config, d, w, tail, kSummed, f32(partials), f32(dh_pre), dlayer_in, dx_partial,
                     dh_post, dh_res, x, params, dx, grads, stream);
   check_launch(op, "kernels");
 }

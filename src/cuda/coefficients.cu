@@ -330,10 +330,6 @@ __global__ void term_finish_kernel(const double* __restrict__ group_sums, int64_
   }
 }
 
-unsigned blocks_for(int64_t threads, int per_block) {
-  return static_cast<unsigned>(ceil_div(threads, per_block));
-}
-
 }  // namespace
 
 CoefficientSlots forward_coefficient_slots(const Config& config, int64_t T) {
@@ -344,40 +340,44 @@ CoefficientSlots backward_coefficient_slots(const Config& config, int64_t T) {
   return slots_for(T, backward_doubles(shape_of(config)));
 }
 
+int64_t coefficient_blocks(const CoefficientSlots& slots) {
+  return ceil_div(slots.threads, kCoefficientThreads);
+}
+
 void launch_forward_coefficients(const Config& config, const detail::Dims& d,
-                                 const ProjectionSplit& split, const float* partials,
+                                 const ProjectionSplit& split, Grid grid, const float* partials,
                                  const float* alpha, const float* bias, float* h_pre, float* h_post,
                                  float* h_res, const CoefficientSlots& slots, double* scratch,
                                  cudaStream_t stream) {
   if (d.T == 0) return;
-  forward_coefficients_kernel<<<blocks_for(slots.threads, kCoefficientThreads), kCoefficientThreads,
-                                0, stream>>>(shape_of(config), partials, split.slices, d.T, alpha,
-                                             bias, h_pre, h_post, h_res, scratch, slots.threads);
+  forward_coefficients_kernel<<<grid.blocks(), kCoefficientThreads, 0, stream>>>(
+      shape_of(config), partials, split.slices, d.T, alpha, bias, h_pre, h_post, h_res, scratch,
+      slots.threads);
 }
 
 void launch_backward_coefficients(const Config& config, const detail::Dims& d,
-                                  const ProjectionSplit& split, const float* partials,
+                                  const ProjectionSplit& split, Grid grid, const float* partials,
                                   const float* dh_pre, const float* dh_post, const float* dh_res,
                                   const float* alpha, const float* bias, const TokenGrads& out,
                                   const CoefficientSlots& slots, double* scratch,
                                   cudaStream_t stream) {
   if (d.T == 0) return;
-  backward_coefficients_kernel<<<blocks_for(slots.threads, kCoefficientThreads),
-                                 kCoefficientThreads, 0, stream>>>(
+  backward_coefficients_kernel<<<grid.blocks(), kCoefficientThreads, 0, stream>>>(
       shape_of(config), partials, split.slices, d.T, dh_pre, dh_post, dh_res, alpha, bias, out,
       scratch, slots.threads);
 }
 
-void launch_term_sums(const detail::Dims& d, const double* terms, double* group_sums, float* dbias,
-                      float* dalpha, cudaStream_t stream) {
-  const int64_t groups = ceil_div(d.T, kTermTokens);
+int64_t term_group_blocks(const detail::Dims& d) { return ceil_div(d.T, kTermTokens); }
+
+void launch_term_sums(const detail::Dims& d, Grid group_grid, const double* terms,
+                      double* group_sums, float* dbias, float* dalpha, cudaStream_t stream) {
   const int columns = static_cast<int>(d.N + 3);
-  if (groups > 0) {
-    term_group_sums_kernel<<<static_cast<unsigned>(groups), kBlockThreads, 0, stream>>>(
-        terms, d.T, columns, group_sums);
+  if (group_grid.blocks() > 0) {
+    term_group_sums_kernel<<<group_grid.blocks(), kBlockThreads, 0, stream>>>(terms, d.T, columns,
+                                                                              group_sums);
   }
-  term_finish_kernel<<<1, kBlockThreads, 0, stream>>>(group_sums, groups, static_cast<int>(d.N),
-                                                      dbias, dalpha);
+  term_finish_kernel<<<1, kBlockThreads, 0, stream>>>(group_sums, group_grid.blocks(),
+                                                      static_cast<int>(d.N), dbias, dalpha);
 }
 
 }  // namespace mhc::cuda

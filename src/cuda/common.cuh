@@ -186,9 +186,4 @@ inline bool vector_path(int64_t D, std::initializer_list<const void*> pointers) 
   return true;
 }
 
-// Block-per-token kernels walk tokens with this stride, so any T fits the grid.
-inline unsigned token_blocks(int64_t T) {
-  return static_cast<unsigned>(T < kMaxTokenBlocks ? T : kMaxTokenBlocks);
-}
-
 }  // namespace mhc::cuda

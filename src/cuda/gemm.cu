@@ -235,15 +235,6 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 }
 
-// A grid's x extent is at most 2^31 - 1 blocks: larger problems are refused, not truncated.
-unsigned grid_size(int64_t blocks) {
-  if (blocks > int64_t{0x7fffffff}) {
-    throw Error("mhc::cuda", "shape",
-                "needs " + std::to_string(blocks) + " blocks, more than a CUDA grid holds");
-  }
-  return static_cast<unsigned>(blocks);
-}
-
 __global__ void __launch_bounds__(kBlockThreads)
     sum_slices_kernel(const float* __restrict__ sliced, int64_t slices, int64_t count,
                       float* __restrict__ partials) {
@@ -272,65 +263,81 @@ ProjectionSplit projection_split(const detail::Dims& d) {
   return split;
 }
 
-void launch_projection(const detail::Dims& d, const ProjectionSplit& split, const TensorRef& x,
-                       const float* norm_weight, const float* phi, float* partials,
-                       cudaStream_t stream) {
+int64_t projection_blocks(const detail::Dims& d, const ProjectionSplit& split) {
+  return ceil_div(d.T, kRows) * ceil_div(d.N, kCols) * split.slices;
+}
+
+int64_t sum_slices_blocks(const detail::Dims& d) {
+  return std::min<int64_t>(ceil_div(d.T * (d.N + 1), kBlockThreads), kMaxStrideBlocks);
+}
+
+int64_t weight_grad_blocks(const detail::Dims& d) {
+  return ceil_div(d.M, kRows) * ceil_div(d.N, kCols) * weight_grad_groups(d.T);
+}
+
+int64_t weight_grad_finish_blocks(const detail::Dims& d) {
+  return std::min<int64_t>(ceil_div(d.M, kBlockThreads), kMaxStrideBlocks);
+}
+
+int64_t input_grad_blocks(const detail::Dims& d) {
+  return ceil_div(d.T, kRows) * ceil_div(d.M, kCols);
+}
+
+void launch_projection(const detail::Dims& d, const ProjectionSplit& split, Grid grid,
+                       const TensorRef& x, const float* norm_weight, const float* phi,
+                       float* partials, cudaStream_t stream) {
   if (d.T == 0) return;
   if (tensor_core_projection(x.dtype)) {
-    launch_projection_mma(d, split, x, norm_weight, phi, partials, stream);
+    launch_projection_mma(d, split, grid, x, norm_weight, phi, partials, stream);
     return;
   }
   const int64_t token_tiles = ceil_div(d.T, kRows), col_tiles = ceil_div(d.N, kCols);
   with_device_type(x.dtype, [&](auto x_type) {
     using X = decltype(x_type);
-    projection_kernel<X>
-        <<<grid_size(token_tiles * col_tiles * split.slices), kBlockThreads, 0, stream>>>(
-            static_cast<const X*>(x.data), norm_weight, phi, d.T, d.M, static_cast<int>(d.N),
-            split.slice_width, token_tiles, col_tiles, partials);
+    projection_kernel<X><<<grid.blocks(), kBlockThreads, 0, stream>>>(
+        static_cast<const X*>(x.data), norm_weight, phi, d.T, d.M, static_cast<int>(d.N),
+        split.slice_width, token_tiles, col_tiles, partials);
   });
 }
 
-void launch_sum_slices(const detail::Dims& d, const ProjectionSplit& split, const float* sliced,
-                       float* partials, cudaStream_t stream) {
+void launch_sum_slices(const detail::Dims& d, const ProjectionSplit& split, Grid grid,
+                       const float* sliced, float* partials, cudaStream_t stream) {
   const int64_t count = d.T * (d.N + 1);
   if (count == 0) return;
-  const int64_t blocks = std::min<int64_t>(ceil_div(count, kBlockThreads), kMaxStrideBlocks);
-  sum_slices_kernel<<<grid_size(blocks), kBlockThreads, 0, stream>>>(sliced, split.slices, count,
-                                                                     partials);
+  sum_slices_kernel<<<grid.blocks(), kBlockThreads, 0, stream>>>(sliced, split.slices, count,
+                                                                 partials);
 }
 
-void launch_weight_grad(const detail::Dims& d, const TensorRef& x, const float* dP,
+void launch_weight_grad(const detail::Dims& d, Grid grid, const TensorRef& x, const float* dP,
                         float* group_partials, cudaStream_t stream) {
   if (d.T == 0) return;
   const int64_t m_tiles = ceil_div(d.M, kRows), col_tiles = ceil_div(d.N, kCols);
   with_device_type(x.dtype, [&](auto x_type) {
     using X = decltype(x_type);
-    weight_grad_kernel<X>
-        <<<grid_size(m_tiles * col_tiles * weight_grad_groups(d.T)), kBlockThreads, 0, stream>>>(
-            static_cast<const X*>(x.data), dP, d.T, d.M, static_cast<int>(d.N),
-            weight_grad_group_tokens(d.T), m_tiles, col_tiles, group_partials);
+    weight_grad_kernel<X><<<grid.blocks(), kBlockThreads, 0, stream>>>(
+        static_cast<const X*>(x.data), dP, d.T, d.M, static_cast<int>(d.N),
+        weight_grad_group_tokens(d.T), m_tiles, col_tiles, group_partials);
   });
 }
 
-void launch_weight_grad_finish(const detail::Dims& d, const float* group_partials,
+void launch_weight_grad_finish(const detail::Dims& d, Grid grid, const float* group_partials,
                                const float* norm_weight, const float* phi, float* dphi,
                                float* dnorm_weight, cudaStream_t stream) {
   if (d.M == 0) return;
-  const int64_t blocks = std::min<int64_t>(ceil_div(d.M, kBlockThreads), kMaxStrideBlocks);
-  weight_grad_finish_kernel<<<grid_size(blocks), kBlockThreads, 0, stream>>>(
+  weight_grad_finish_kernel<<<grid.blocks(), kBlockThreads, 0, stream>>>(
       group_partials, weight_grad_groups(d.T), d.M, static_cast<int>(d.N), norm_weight, phi, dphi,
       dnorm_weight);
 }
 
-void launch_input_grad(const detail::Dims& d, const TensorRef& x, const TensorRef& dlayer_in,
-                       const TensorRef& dx_partial, const float* h_pre, const float* x_coef,
-                       const float* dP, const float* norm_weight, const float* phi,
-                       const MutableTensorRef& dx, cudaStream_t stream) {
+void launch_input_grad(const detail::Dims& d, Grid grid, const TensorRef& x,
+                       const TensorRef& dlayer_in, const TensorRef& dx_partial, const float* h_pre,
+                       const float* x_coef, const float* dP, const float* norm_weight,
+                       const float* phi, const MutableTensorRef& dx, cudaStream_t stream) {
   if (d.T == 0) return;
-  const int64_t token_tiles = ceil_div(d.T, kRows), m_tiles = ceil_div(d.M, kCols);
+  const int64_t token_tiles = ceil_div(d.T, kRows);
   with_device_type(x.dtype, [&](auto x_type) {
     using X = decltype(x_type);
-    input_grad_kernel<X><<<grid_size(token_tiles * m_tiles), kBlockThreads, 0, stream>>>(
+    input_grad_kernel<X><<<grid.blocks(), kBlockThreads, 0, stream>>>(
         static_cast<const X*>(x.data), static_cast<const X*>(dlayer_in.data),
         static_cast<const X*>(dx_partial.data), h_pre, x_coef, dP, norm_weight, phi,
         static_cast<X*>(dx.data), d.T, static_cast<int>(d.n), d.D, static_cast<int>(d.N),

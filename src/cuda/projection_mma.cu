@@ -156,16 +156,14 @@ bool tensor_core_projection(DType x_dtype) {
   return enabled && x_dtype == DType::bf16;
 }
 
-void launch_projection_mma(const detail::Dims& d, const ProjectionSplit& split, const TensorRef& x,
-                           const float* norm_weight, const float* phi, float* partials,
-                           cudaStream_t stream) {
+void launch_projection_mma(const detail::Dims& d, const ProjectionSplit& split, Grid grid,
+                           const TensorRef& x, const float* norm_weight, const float* phi,
+                           float* partials, cudaStream_t stream) {
   if (d.T == 0) return;
+  // The grid is projection_blocks (gemm.cu): the same 64 x 32 tiles, here of 128 threads.
+  static_assert(kRows == 64 && kCols == 32, "projection_blocks assumes gemm.cu's tile");
   const int64_t token_tiles = ceil_div(d.T, kRows), col_tiles = ceil_div(d.N, kCols);
-  const int64_t blocks = token_tiles * col_tiles * split.slices;
-  if (blocks > int64_t{0x7fffffff}) {
-    throw Error("mhc::cuda", "shape", "needs more blocks than a CUDA grid holds");
-  }
-  projection_mma_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+  projection_mma_kernel<<<grid.blocks(), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(x.data), norm_weight, phi, d.T, d.M, static_cast<int>(d.N),
       split.slice_width, token_tiles, col_tiles, partials);
 }

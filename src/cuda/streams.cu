@@ -253,23 +253,25 @@ void with_bound_and_width(int64_t n, bool vector, Body body) {
 
 }  // namespace
 
-void launch_pre_apply(const detail::Dims& d, const TensorRef& x, const float* h_pre,
+int64_t token_blocks(int64_t T) { return T < kMaxTokenBlocks ? T : kMaxTokenBlocks; }
+
+void launch_pre_apply(const detail::Dims& d, Grid grid, const TensorRef& x, const float* h_pre,
                       const MutableTensorRef& layer_in, cudaStream_t stream) {
   if (d.T == 0) return;
   const bool vector = vector_path(d.D, {x.data, layer_in.data});
   with_device_type(x.dtype, [&](auto x_type) {
     using X = decltype(x_type);
     with_bound_and_width(1, vector, [&](auto, auto width) {
-      pre_apply_kernel<X, width()><<<token_blocks(d.T), kBlockThreads, 0, stream>>>(
+      pre_apply_kernel<X, width()><<<grid.blocks(), kBlockThreads, 0, stream>>>(
           static_cast<const X*>(x.data), h_pre, static_cast<X*>(layer_in.data), d.T,
           static_cast<int>(d.n), d.D);
     });
   });
 }
 
-void launch_post_forward(const detail::Dims& d, const TensorRef& x, const TensorRef& layer_out,
-                         const TensorRef& h_post, const TensorRef& h_res,
-                         const MutableTensorRef& out, cudaStream_t stream) {
+void launch_post_forward(const detail::Dims& d, Grid grid, const TensorRef& x,
+                         const TensorRef& layer_out, const TensorRef& h_post,
+                         const TensorRef& h_res, const MutableTensorRef& out, cudaStream_t stream) {
   if (d.T == 0) return;
   const bool vector = vector_path(d.D, {x.data, layer_out.data, out.data});
   with_device_type(x.dtype, [&](auto x_type) {
@@ -277,17 +279,16 @@ void launch_post_forward(const detail::Dims& d, const TensorRef& x, const Tensor
     with_device_type(layer_out.dtype, [&](auto lo_type) {
       using L = decltype(lo_type);
       with_bound_and_width(d.n, vector, [&](auto bound, auto width) {
-        post_forward_kernel<X, L, bound(), width()>
-            <<<token_blocks(d.T), kBlockThreads, 0, stream>>>(
-                static_cast<const X*>(x.data), static_cast<const L*>(layer_out.data),
-                static_cast<const float*>(h_post.data), static_cast<const float*>(h_res.data),
-                static_cast<X*>(out.data), d.T, static_cast<int>(d.n), d.D);
+        post_forward_kernel<X, L, bound(), width()><<<grid.blocks(), kBlockThreads, 0, stream>>>(
+            static_cast<const X*>(x.data), static_cast<const L*>(layer_out.data),
+            static_cast<const float*>(h_post.data), static_cast<const float*>(h_res.data),
+            static_cast<X*>(out.data), d.T, static_cast<int>(d.n), d.D);
       });
     });
   });
 }
 
-void launch_post_backward(const detail::Dims& d, const TensorRef& g, const TensorRef& x,
+void launch_post_backward(const detail::Dims& d, Grid grid, const TensorRef& g, const TensorRef& x,
                           const TensorRef& layer_out, const TensorRef& h_post,
                           const TensorRef& h_res, const PostBackwardOutputs& outputs,
                           cudaStream_t stream) {
@@ -299,26 +300,25 @@ void launch_post_backward(const detail::Dims& d, const TensorRef& g, const Tenso
     with_device_type(layer_out.dtype, [&](auto lo_type) {
       using L = decltype(lo_type);
       with_bound_and_width(d.n, vector, [&](auto bound, auto width) {
-        post_backward_kernel<X, L, bound(), width()>
-            <<<token_blocks(d.T), kBlockThreads, 0, stream>>>(
-                static_cast<const X*>(g.data), static_cast<const X*>(x.data),
-                static_cast<const L*>(layer_out.data), static_cast<const float*>(h_post.data),
-                static_cast<const float*>(h_res.data), static_cast<X*>(outputs.dx_partial.data),
-                static_cast<L*>(outputs.dlayer_out.data), static_cast<float*>(outputs.dh_post.data),
-                static_cast<float*>(outputs.dh_res.data), d.T, static_cast<int>(d.n), d.D);
+        post_backward_kernel<X, L, bound(), width()><<<grid.blocks(), kBlockThreads, 0, stream>>>(
+            static_cast<const X*>(g.data), static_cast<const X*>(x.data),
+            static_cast<const L*>(layer_out.data), static_cast<const float*>(h_post.data),
+            static_cast<const float*>(h_res.data), static_cast<X*>(outputs.dx_partial.data),
+            static_cast<L*>(outputs.dlayer_out.data), static_cast<float*>(outputs.dh_post.data),
+            static_cast<float*>(outputs.dh_res.data), d.T, static_cast<int>(d.n), d.D);
       });
     });
   });
 }
 
-void launch_dh_pre(const detail::Dims& d, const TensorRef& dlayer_in, const TensorRef& x,
+void launch_dh_pre(const detail::Dims& d, Grid grid, const TensorRef& dlayer_in, const TensorRef& x,
                    float* dh_pre, cudaStream_t stream) {
   if (d.T == 0) return;
   const bool vector = vector_path(d.D, {dlayer_in.data, x.data});
   with_device_type(x.dtype, [&](auto x_type) {
     using X = decltype(x_type);
     with_bound_and_width(d.n, vector, [&](auto bound, auto width) {
-      dh_pre_kernel<X, bound(), width()><<<token_blocks(d.T), kBlockThreads, 0, stream>>>(
+      dh_pre_kernel<X, bound(), width()><<<grid.blocks(), kBlockThreads, 0, stream>>>(
           static_cast<const X*>(dlayer_in.data), static_cast<const X*>(x.data), dh_pre, d.T,
           static_cast<int>(d.n), d.D);
     });

@@ -1,6 +1,7 @@
 // CUDA-only checks beside the shared kernel tests (kernels_test.cc and edge_test.cc run against
-// the CUDA backend in this binary). Without a GPU: the argument and workspace checks, and that the
-// edge shapes still reach the kernel loops they were chosen for (CudaCoverage). On a device:
+// the CUDA backend in this binary). Without a GPU: the argument, workspace and grid checks (and
+// that a refused grid enqueues nothing), and that the edge shapes still reach the kernel loops
+// they were chosen for (CudaCoverage). On a device:
 // bitwise run-to-run determinism, several token groups in the fixed-order sums, grids past the
 // kernels' caps (their grid-stride loops), and the small cases that scripts/gpu_check.sh runs
 // under compute-sanitizer (CudaSanitizer). With MHC_REQUIRE_CUDA=1 a missing device fails every
@@ -137,6 +138,114 @@ TEST(CudaArguments, WorkspaceDependsOnTokens) {
   EXPECT_LT(cuda::pre_backward_workspace_bytes(config, 10),
             cuda::pre_backward_workspace_bytes(config, 10000));
   EXPECT_EQ(cuda::pre_forward_workspace_bytes(config, 0), 0);
+}
+
+// A grid's x extent holds kMaxGridBlocks blocks: that many are accepted, one more is refused with
+// the operation, the kernel and the shape in the message.
+TEST(CudaArguments, GridsPastTheCudaLimitAreRefused) {
+  detail::Dims d;
+  d.T = 5, d.n = 4, d.D = 8;
+  EXPECT_EQ(cuda::checked_grid("op", "kernel", cuda::kMaxGridBlocks, d).blocks(), 0x7fffffffu);
+  EXPECT_EQ(cuda::checked_grid("op", "kernel", 0, d).blocks(), 0u);
+  expect_error([&] { cuda::checked_grid("op", "input_grad", cuda::kMaxGridBlocks + 1, d); }, "op",
+               "x", "expected a shape whose input_grad grid fits in 2147483647 blocks, got T = 5");
+  expect_error([&] { cuda::checked_grid("op", "kernel", -1, d); }, "op", "x", "(-1 blocks)");
+}
+
+// Addresses that stand for device buffers no call here touches: each view gets its own range, so
+// the argument checks (written views must not overlap) pass at sizes no machine could allocate.
+class FakeDeviceMemory {
+ public:
+  void* take(int64_t bytes) {
+    void* at = reinterpret_cast<void*>(next_);
+    next_ += static_cast<uintptr_t>((bytes + 511) / 256 * 256);  // 256-aligned, a gap between
+    return at;
+  }
+
+ private:
+  uintptr_t next_ = uintptr_t{1} << 40;
+};
+
+// Runs call(stream), which throws, and expects that it enqueued nothing (mhc/cuda.h: errors come
+// before anything is enqueued). With a device the call runs under stream capture, which records
+// kernels without running them (the fake addresses are never touched), and the captured graph
+// must be empty. Without one nothing can be observed: the runtime then reports its failed
+// initialization on every call, cudaGetLastError included, so a launch leaves no trace; the
+// error's message (the operation and the kernel, from the plan before the first launch) is all
+// that is checked. STATUS: the device half is unverified (no GPU where it was written).
+template <class Call>
+void expect_nothing_enqueued(Call call) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    call(nullptr);
+    return;
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  call(stream);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  size_t nodes = 0;
+  ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+  EXPECT_EQ(nodes, 0u) << "kernels were enqueued before the error";
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// The backward's input-gradient grid (ceil(T / 64) * ceil(n D / 32) blocks) is the one past the
+// limit at T = 2^22, n D = 2^21; it is launched after the projection, dh_pre and the coefficient
+// backward (pre_backward) or after the coefficient backward (pre_backward_finish), so both must
+// check every grid before their first launch.
+TEST(CudaArguments, GridTooLargeEnqueuesNothing) {
+  Config config;
+  config.n = 1;
+  config.dim = int64_t{1} << 21;
+  const int64_t T = int64_t{1} << 22, n = 1, D = config.dim, M = n * D;
+  const int64_t N = projection_width(config);
+  detail::Dims d;
+  d.T = T, d.n = n, d.D = D, d.M = M, d.N = N;
+  ASSERT_GT(cuda::input_grad_blocks(d), cuda::kMaxGridBlocks);
+  FakeDeviceMemory memory;
+  auto bf16_view = [&](std::initializer_list<int64_t> shape) {
+    int64_t count = 1;
+    for (int64_t extent : shape) count *= extent;
+    return MutableTensorRef(memory.take(2 * count), DType::bf16, shape);
+  };
+  auto f32_view = [&](std::initializer_list<int64_t> shape) {
+    int64_t count = 1;
+    for (int64_t extent : shape) count *= extent;
+    return MutableTensorRef(memory.take(4 * count), DType::f32, shape);
+  };
+  const TensorRef x = bf16_view({T, n, D}), dlayer_in = bf16_view({T, D});
+  const TensorRef dx_partial = bf16_view({T, n, D});
+  const TensorRef dh_pre = f32_view({T, n}), dh_post = f32_view({T, n});
+  const TensorRef dh_res = f32_view({T, n, n}), partials = f32_view({T, N + 1});
+  const Params params{f32_view({M}), f32_view({M, N}), f32_view({3}), f32_view({N})};
+  const ParamGrads grads{f32_view({M}), f32_view({M, N}), f32_view({3}), f32_view({N})};
+  const MutableTensorRef dx = bf16_view({T, n, D});
+  const std::string message = "expected a shape whose input_grad grid fits in 2147483647 blocks";
+
+  const int64_t fused_bytes = cuda::pre_backward_workspace_bytes(config, T);
+  const cuda::Workspace fused{memory.take(fused_bytes), fused_bytes};
+  expect_nothing_enqueued([&](cuda::Stream stream) {
+    expect_error(
+        [&] {
+          cuda::pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params, dx, grads,
+                             fused, stream);
+        },
+        "mhc::cuda::pre_backward", "x", message);
+  });
+  const int64_t finish_bytes = cuda::pre_backward_finish_workspace_bytes(config, T);
+  const cuda::Workspace finish{memory.take(finish_bytes), finish_bytes};
+  expect_nothing_enqueued([&](cuda::Stream stream) {
+    expect_error(
+        [&] {
+          cuda::pre_backward_finish(config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x,
+                                    partials, params, dx, grads, finish, stream);
+        },
+        "mhc::cuda::pre_backward_finish", "x", message);
+  });
 }
 
 // The edge shapes (edge_cases.h) against the CUDA launch arithmetic: each must still exceed the
