@@ -7,7 +7,9 @@ and prints one "ok:" line per passing case.
 For each layout (tokens over one axis, batch and sequence over two, tokens and D, D alone, a
 mesh axis of size 1), each dtype and each mix: the forward values and every gradient equal one
 device's, the outputs come back sharded like x, and the compiled forward and gradient hold no
-collective but the all-reduces the partitioning rules name (README, "Many devices").
+collective but the all-reduces the partitioning rules name (README, "Many devices"). Padded
+token rows that hold values (the masks of the backwards), and the same operations inside
+jax.shard_map with tokens and D split (tensor_axis).
 """
 
 import functools
@@ -281,44 +283,174 @@ def check_sharded_parameters(seed):
     print("ok: parameters sharded on D")
 
 
-def check_sharded_pre_post(seed):
-    """sharded_pre / sharded_post: the same rules, with the layout pinned."""
+def check_padded_rows_hold_values(seed):
+    """Token counts that do not divide, with the rows XLA pads holding values, not zeros: x enters
+    each operation as cos(x) (elementwise, so XLA computes it on the padded rows too: cos(0) = 1
+    where GSPMD pads with zeros) and the cotangents are not zero there either. So the parameter
+    gradients of the pre, boundary and head backwards equal one device's only while each masks
+    its padded rows (_zero_padded_rows), under either partitioner."""
+    shape = (6, 5, N_STREAMS, D)  # 6 over 4 devices and 5 over 2: both padded
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "seq"))
+    constrain = NamedSharding(mesh, P("data", "seq"))
+    config, x, params, w, w_in = inputs("sinkhorn", jnp.float32, seed, shape)
+    layers = [random_params(key, config, D) for key in jax.random.split(jax.random.key(seed + 4), 2)]
+    keys = jax.random.split(jax.random.key(seed + 5), 3)
+    head = mj.HeadParams(
+        jax.random.normal(keys[0], (N_STREAMS, N_STREAMS * D)) / np.sqrt(N_STREAMS * D),
+        jax.random.normal(keys[1], (N_STREAMS,)),
+        jnp.array([0.8], jnp.float32),
+    )
+
+    def pre_post(x, params):
+        layer_in, ctx = mj.pre(x, params, config)
+        # exp: a cotangent that is not 0 on the padded rows.
+        return jnp.sum(mj.post(jnp.tanh(layer_in), ctx) * w) + jnp.sum(jnp.exp(layer_in / 4))
+
+    def chain(x, layers):
+        state = x
+        for params in layers:  # two sublayers: one fused boundary
+            state = mj.sublayer(state, params, config, lambda h: jnp.tanh(h) + 0.5)
+        return jnp.sum(jnp.square(mj.finish(state) - w))
+
+    def head_loss(x, head):
+        return jnp.sum(jnp.square(mj.head(x, head, config) - w_in))
+
+    cases = {"pre": (pre_post, params), "boundary": (chain, layers), "head": (head_loss, head)}
+    for label, (loss, parameters) in cases.items():
+
+        def gradient(x, parameters, constrain, loss=loss):
+            if constrain is not None:
+                x = jax.lax.with_sharding_constraint(x, constrain)
+            return jax.grad(lambda x, p: loss(jnp.cos(x), p), argnums=(0, 1))(x, parameters)
+
+        want = jax.jit(gradient, static_argnums=2)(x, parameters, None)
+        got = jax.jit(gradient, static_argnums=2)(x, parameters, constrain)
+        compare(f"padded rows with values, {label} backward", got, want, jnp.float32)
+        print(f"ok: padded rows with values, {label} backward")
+
+
+def check_d_not_dividing(seed):
+    """D over a mesh axis whose size does not divide it: gathered (the kernels split D evenly),
+    values and gradients equal one device's."""
+    shape = (8, 2, N_STREAMS, 6)  # D = 6 over 4 devices
+    config, x, params, w, w_in = inputs("sinkhorn", jnp.float32, seed, shape)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
-    config, x, params, w, w_in = inputs("sinkhorn", jnp.float32, seed)
-    axes = dict(mesh=mesh, token_axes="data", tensor_axis="tensor")
-
-    def loss(x, params):
-        layer_in, ctx = mj.sharded_pre(x, params, config, **axes)
-        out = mj.sharded_post(jnp.tanh(layer_in), ctx, **axes)
-        return jnp.sum(out * w) + jnp.sum(layer_in * w_in) + jnp.sum(jnp.exp(layer_in / 4))  # as programs()
-
-    gradient = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    compare("sharded_pre/post", gradient(x, params), single_device("sinkhorn", jnp.float32, seed)[1], jnp.float32)
-    hlo = gradient.lower(x, params).compile().as_text()
-    gathered = {shape for op, shape in collectives(hlo) if op != "all-reduce"}
-    n, width = config.n, config.projection_width
-    assert gathered <= {f"f32[{n},{D}]", f"f32[{n},{D},{width}]"}, f"sharded_pre/post: gathers {gathered}"
-    print("ok: sharded_pre/post")
+    forward, gradient = programs(config, w, w_in, constrain=NamedSharding(mesh, P("data", None, None, "tensor")))
+    got = jax.jit(forward)(x, params), jax.jit(gradient)(x, params)
+    compare("D = 6 over 4 devices", got, single_device("sinkhorn", jnp.float32, seed, shape), jnp.float32)
+    print("ok: D = 6 over 4 devices (gathered)")
 
 
-def check_bad_axes():
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "tensor"))
-    config, d = mj.Config(n=2), 6
+SHARD_MAP_LAYOUTS = {
+    # label: (mesh shape, axis names, x's spec, tensor_axis)
+    "tokens": ((8,), ("data",), P("data"), None),
+    "D": ((8,), ("tensor",), P(None, None, None, "tensor"), "tensor"),
+    "tokens+D": ((2, 4), ("data", "tensor"), P("data", None, None, "tensor"), "tensor"),
+}
+
+
+def _without_streams(spec):
+    """The spec of layer_in [batch, seq, D] from x's [batch, seq, n, D]."""
+    entries = tuple(spec) + (None,) * (4 - len(spec))
+    return P(*entries[:2], entries[3])
+
+
+def check_shard_map(dtype, seed, layouts=tuple(SHARD_MAP_LAYOUTS), check_vma=True):
+    """Inside jax.shard_map (tokens split, D split with tensor_axis, both), parameters replicated
+    (in_specs P()): pre -> post, a chain of sublayers (fused boundaries) and the head give the
+    values and every gradient (x, layer_out, each parameter) of one device."""
+    config, x, params, w, w_in = inputs("sinkhorn", dtype, seed)
+    layers = [random_params(key, config, D) for key in jax.random.split(jax.random.key(seed + 6), 3)]
+    keys = jax.random.split(jax.random.key(seed + 7), 4)
+    u = (0.5 * jax.random.normal(keys[0], (3, *w_in.shape))).astype(dtype)  # layer_out = tanh(layer_in) + u
+    head = mj.HeadParams(
+        jax.random.normal(keys[1], (N_STREAMS, N_STREAMS * D)) / np.sqrt(N_STREAMS * D),
+        jax.random.normal(keys[2], (N_STREAMS,)),
+        jnp.array([0.8], jnp.float32),
+    )
+
+    def sublayer_pair(tensor_axis, x, params, u):
+        layer_in, ctx = mj.pre(x, params, config, tensor_axis=tensor_axis)
+        return mj.post(jnp.tanh(layer_in) + u[0], ctx), layer_in
+
+    def chain(tensor_axis, x, layers, u):
+        state = x
+        for index, params in enumerate(layers):
+            branch = lambda h, index=index: jnp.tanh(h) + u[index]  # noqa: E731  (elementwise: D may be split)
+            state = mj.sublayer(state, params, config, branch, tensor_axis=tensor_axis)
+        return (mj.finish(state),)
+
+    def head_only(tensor_axis, x, head, u):
+        return (mj.head(x, head, config, tensor_axis=tensor_axis),)
+
+    def loss(outputs):
+        # Squares of differences: no cancelling sum; every output in f32.
+        out = outputs[0].astype(jnp.float32)
+        total = jnp.sum(jnp.square(out - (w if out.ndim == 4 else w_in)))
+        return total + sum(jnp.sum(jnp.exp(o.astype(jnp.float32) / 4)) for o in outputs[1:])
+
+    programs_ = {"pre/post": (sublayer_pair, params), "sublayer chain": (chain, layers), "head": (head_only, head)}
+    for what, (program, parameters) in programs_.items():
+
+        def values_and_gradients(run, x, parameters, u):
+            outputs = run(x, parameters, u)
+            grads = jax.grad(lambda x, p, u: loss(run(x, p, u)), argnums=(0, 1, 2))(x, parameters, u)
+            return outputs, grads
+
+        plain = functools.partial(program, None)
+        want = jax.jit(functools.partial(values_and_gradients, plain))(x, parameters, u)
+        for label in layouts:
+            mesh_shape, names, spec, tensor_axis = SHARD_MAP_LAYOUTS[label]
+            mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+            layer_in_spec = _without_streams(spec)
+            out_specs = (spec, layer_in_spec)[: 2 if program is sublayer_pair else 1]
+            if program is head_only:
+                out_specs = (layer_in_spec,)
+            u_spec = P(None, *layer_in_spec)
+            sharded = jax.shard_map(
+                functools.partial(program, tensor_axis),
+                mesh=mesh,
+                in_specs=(spec, P(), u_spec),
+                out_specs=out_specs,
+                check_vma=check_vma,
+            )
+            got = jax.jit(functools.partial(values_and_gradients, sharded))(x, parameters, u)
+            name = f"shard_map {what}, {label} {jnp.dtype(dtype).name}" + ("" if check_vma else " check_vma=False")
+            compare(name, got, want, dtype)
+            print(f"ok: {name}")
+
+
+def check_shard_map_errors():
+    """Inside shard_map with D split: without tensor_axis an mhc error names it; the D slice of
+    the parameters, an axis that is not the mesh's, and the plain path with tensor_axis are refused."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    config, d = mj.Config(n=2), 8
     x = jnp.ones((4, 2, d))
     params = mj.init_params(jax.random.key(0), config, d)
-    bad = {
-        "D = 6": dict(token_axes="data", tensor_axis="tensor"),  # 6 features over 4 devices
-        "'model' is not an axis": dict(token_axes="data", tensor_axis="model"),
-        "also one of token_axes": dict(token_axes=("data", "tensor"), tensor_axis="tensor"),
-    }
-    for fragment, axes in bad.items():
+    head = mj.init_head_params(jax.random.key(1), config, d)
+    sliced = mj.init_params(jax.random.key(0), config, d // 4)
+    spec = P("data", None, "tensor")
+
+    def pre(params, **options):
+        return lambda x: mj.pre(x, params, config, **options)[0]
+
+    missing = "pass tensor_axis=<the mesh axis that splits D>"
+    bad = [
+        (missing, pre(params)),
+        (missing, lambda x: mj.head(x, head, config)),
+        ("not their D slice", pre(sliced, tensor_axis="tensor")),
+        ("'model' is not a mesh axis of an enclosing jax.shard_map", pre(params, tensor_axis="model")),
+        ("the plain path (use_kernel=False) has no split form", pre(params, tensor_axis="tensor", use_kernel=False)),
+    ]
+    for fragment, call in bad:
+        sharded = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=P("data", "tensor"))
         try:
-            mj.sharded_pre(x, params, config, mesh=mesh, **axes)
+            jax.jit(sharded)(x)
         except ValueError as error:
             assert fragment in str(error), error
             continue
-        raise AssertionError(f"expected ValueError with {fragment!r} for {axes}")
-    print("ok: bad tensor axes are rejected")
+        raise AssertionError(f"expected ValueError with {fragment!r}")
+    print("ok: shard_map with D split and no tensor_axis, or a wrong one, raises")
 
 
 def _apply_layer(graphdef, state, x):
@@ -420,6 +552,14 @@ if __name__ == "__main__":
     check_boundary_chain(seed)
     check_head(seed)
     check_sharded_parameters(seed)
-    check_sharded_pre_post(seed)
-    check_bad_axes()
+    check_padded_rows_hold_values(seed)
+    check_d_not_dividing(seed)
+    # Inside shard_map no partitioner runs: Shardy's run checks every layout in f32 and tokens+D
+    # in bf16; GSPMD's, tokens+D with shard_map's check_vma=False (no varying-axis types).
+    if full:
+        check_shard_map(jnp.float32, seed)
+        check_shard_map(jnp.bfloat16, seed, layouts=("tokens+D",))
+    else:
+        check_shard_map(jnp.float32, seed, layouts=("tokens+D",), check_vma=False)
+    check_shard_map_errors()
     check_flax_layer(seed)

@@ -24,9 +24,10 @@ def test_sharded_kernels_match_one_device(seed, partitioner):
     args = [sys.executable, script, str(seed), partitioner]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"seed {seed} {partitioner}\n{result.stdout}\n{result.stderr[-4000:]}"
-    # Shardy: 20 layout checks (5 layouts x 2 mixes x 2 dtypes), 6 padded/gathered, 15 others;
-    # GSPMD: the layouts and padded cases for one mix and dtype (5 + 3), the same 15 others.
-    expected = 41 if partitioner == "shardy" else 23
+    # Shardy: 20 layout checks (5 layouts x 2 mixes x 2 dtypes), 6 padded/gathered, 12 shard_map
+    # (3 operations x 3 layouts in f32, 3 in bf16), 17 others; GSPMD: the layouts and padded cases
+    # for one mix and dtype (5 + 3), 3 shard_map, the same 17 others.
+    expected = 55 if partitioner == "shardy" else 28
     assert result.stdout.count("ok:") == expected, result.stdout
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
 
 from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
 from mhc.jax._types import (
@@ -31,6 +30,7 @@ from mhc.jax._types import (
     HeadParams,
     Params,
     Pending,
+    check_activation,
     check_head_args,
     check_post_args,
     check_pre_args,
@@ -54,43 +54,96 @@ __all__ = [
     "finish",
     "expand",
     "reduce",
-    "sharded_pre",
-    "sharded_post",
     "reference",
 ]
 
 
-def _pre_kernel(x, params: Params, config: Config):
-    layer_in, x_ctx, h_post, h_res = _kernels.pre(config, x, params)
-    return layer_in, Context(x_ctx, h_post, h_res, config, True)
+def _tensor_slices(tensor_axis, use_kernel: bool) -> int:
+    """How many devices split D: the size of ``tensor_axis`` (a mesh axis of the enclosing
+    ``jax.shard_map``), 1 without it."""
+    if tensor_axis is None:
+        return 1
+    if not isinstance(tensor_axis, str):
+        raise TypeError(
+            f"tensor_axis: expected the name (str) of the mesh axis that splits D, or None, got {tensor_axis!r}"
+        )
+    if not use_kernel:
+        raise ValueError(
+            "tensor_axis: the plain path (use_kernel=False) has no split form; inside jax.shard_map with "
+            "D split, use the kernels (use_kernel=True)"
+        )
+    try:
+        return jax.lax.axis_size(tensor_axis)
+    except NameError:
+        raise ValueError(
+            f"tensor_axis: {tensor_axis!r} is not a mesh axis of an enclosing jax.shard_map. tensor_axis names "
+            "the manual axis that splits D inside shard_map; under jax.jit on sharded arrays D needs no argument"
+        ) from None
 
 
-def _post_kernel(layer_out, ctx: Context):
-    return _kernels.post(ctx.config, ctx.x, layer_out, ctx.h_post, ctx.h_res)
+def _rows(params, field: str, axis: int):
+    """The parameter's size along the axis of n * D, or None if it is not an array (checked later)."""
+    value = getattr(params, field, None)
+    return value.shape[axis] if getattr(value, "ndim", 0) > 0 else None
 
 
-def pre(x: jax.Array, params: Params, config: Config, *, use_kernel: bool = True):
+def _global_x(x, rows, what: str, tensor_axis, slices: int):
+    """x's shape with the whole D (its last axis times ``slices``), for the argument checks; and
+    the error that names tensor_axis when the parameters hold more features than x (inside
+    shard_map with D split, x holds a slice)."""
+    if x.ndim < 2 or rows is None:  # the argument checks name what is wrong
+        return x
+    n, d = x.shape[-2:]
+    if tensor_axis is None and n and d and rows != n * d and rows % (n * d) == 0:
+        raise ValueError(
+            f"{what}: {rows} rows are {rows // n} features per stream, but x holds D = {d} (shape "
+            f"{tuple(x.shape)}): inside jax.shard_map with D split over a mesh axis, pass "
+            "tensor_axis=<the mesh axis that splits D> (the parameters stay whole, every feature's rows)"
+        )
+    if tensor_axis is not None and rows == n * d and slices > 1:
+        raise ValueError(
+            f"{what}: {rows} rows are this device's D = {d} only; with tensor_axis={tensor_axis!r} pass the "
+            f"whole parameters (n * D = {n * d * slices} rows, replicated), not their D slice"
+        )
+    return jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] * slices), x.dtype) if slices > 1 else x
+
+
+def pre(x: jax.Array, params: Params, config: Config, *, use_kernel: bool = True, tensor_axis: str | None = None):
     """The sublayer's input and the context for ``post`` (spec: Forward steps 1-6).
 
     x: [..., n, D] in float32 or bfloat16; params: f32 ``Params``. Returns layer_in [..., D] in
     x's dtype and a ``Context`` (x, h_post, h_res) to pass to ``post``.
+
+    tensor_axis: only inside ``jax.shard_map`` with D split over a mesh axis: that axis's name.
+    x is then this device's [..., n, D / size] slice and params the whole, replicated parameters
+    (n * D rows); pre runs the tensor-parallel split (partial sums, one psum over the axis,
+    finish), forward and backward, and layer_in is this device's slice. The parameter gradients
+    come back whole (shard_map sums them over the mesh axes, as for any replicated input). Under
+    ``jax.jit`` on sharded arrays leave it None: the partitioning rules split D themselves.
     """
+    slices = _tensor_slices(tensor_axis, use_kernel)
     if not use_kernel:
         return reference.pre(x, params, config)
-    check_pre_args(x, params, config)
-    return _pre_kernel(x, params, config)
+    check_activation("x", x)
+    check_pre_args(
+        _global_x(x, _rows(params, "norm_weight", 0), "params.norm_weight", tensor_axis, slices), params, config
+    )
+    x, params = _kernels.on_common_manual_axes(x, params)
+    layer_in, x_ctx, h_post, h_res = _kernels.pre(config, tensor_axis, x, params)
+    return layer_in, Context(x_ctx, h_post, h_res, config, True, tensor_axis)
 
 
 def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     """The new streams [..., n, D]: H_res^T x + H_post layer_out (spec: Forward step 8).
 
     layer_out: [..., D] (float32 or bfloat16). Runs the same path (kernel or reference) as the
-    ``pre`` that produced ``ctx``.
+    ``pre`` that produced ``ctx``, with its ``tensor_axis`` (the context carries it).
     """
     check_post_args(layer_out, ctx)
     if not ctx.use_kernel:
         return reference.post(layer_out, ctx)
-    return _post_kernel(layer_out, ctx)
+    x, layer_out, h_post, h_res = _kernels.on_common_manual_axes(ctx.x, layer_out, ctx.h_post, ctx.h_res)
+    return _kernels.post(ctx.config, ctx.tensor_axis, x, layer_out, h_post, h_res)
 
 
 def boundary(
@@ -101,6 +154,7 @@ def boundary(
     *,
     use_kernel: bool = True,
     fallback: str = "warn",
+    tensor_axis: str | None = None,
 ):
     """``post(layer_out, ctx)`` then ``pre`` of the next sublayer on its result, in one pass
     (spec: Boundary): the next sublayer's (layer_in, Context), whose ``x`` is the new streams.
@@ -114,23 +168,40 @@ def boundary(
     ``pre`` kernels (a GPU): run those two, with a warning once per process (``"warn"``), without
     it (``"allow"``), or raise instead (``"error"``). A platform without any mhc kernel (a TPU)
     raises either way; ``use_kernel=False`` runs the plain formulas anywhere.
-    ``config`` is the next sublayer's (same n as ``ctx.config``).
+    ``config`` is the next sublayer's (same n as ``ctx.config``). ``tensor_axis``: as for ``pre``,
+    and the same as the one ``ctx`` was made with (the streams keep their layout).
     """
     if fallback not in _kernels.FALLBACK_CHOICES:
         raise ValueError(f"fallback: expected one of {_kernels.FALLBACK_CHOICES}, got {fallback!r}")
     check_post_args(layer_out, ctx)
+    if tensor_axis != ctx.tensor_axis:
+        raise ValueError(
+            f"tensor_axis: expected the tensor_axis of the pre that made ctx ({ctx.tensor_axis!r}), got {tensor_axis!r}"
+        )
     if not (use_kernel and ctx.use_kernel):
-        return pre(post(layer_out, ctx), params, config, use_kernel=use_kernel)
+        return pre(post(layer_out, ctx), params, config, use_kernel=use_kernel, tensor_axis=tensor_axis)
     if config.n != ctx.config.n:
         raise ValueError(f"config: the next sublayer's n ({config.n}) must equal ctx.config.n ({ctx.config.n})")
-    check_pre_args(ctx.x, params, config)
-    x, h_post, h_res = ctx.x, ctx.h_post, ctx.h_res
-    layer_in, x_next, h_post, h_res = _kernels.boundary(config, fallback, x, layer_out, h_post, h_res, params)
-    return layer_in, Context(x_next, h_post, h_res, config, True)
+    slices = _tensor_slices(tensor_axis, use_kernel)
+    rows = _rows(params, "norm_weight", 0)
+    check_pre_args(_global_x(ctx.x, rows, "params.norm_weight", tensor_axis, slices), params, config)
+    x, layer_out, h_post, h_res, params = _kernels.on_common_manual_axes(
+        ctx.x, layer_out, ctx.h_post, ctx.h_res, params
+    )
+    operands = (x, layer_out, h_post, h_res, params)
+    layer_in, x_next, h_post, h_res = _kernels.boundary(config, fallback, tensor_axis, *operands)
+    return layer_in, Context(x_next, h_post, h_res, config, True, tensor_axis)
 
 
 def sublayer(
-    state, params: Params, config: Config, branch, *, use_kernel: bool = True, fallback: str = "warn"
+    state,
+    params: Params,
+    config: Config,
+    branch,
+    *,
+    use_kernel: bool = True,
+    fallback: str = "warn",
+    tensor_axis: str | None = None,
 ) -> Pending:
     """One mHC-wrapped sublayer of a stack, its post left pending so that the next sublayer's
     pre fuses with it (``boundary``).
@@ -139,12 +210,13 @@ def sublayer(
     returned; branch: layer_in [..., D] -> layer_out [..., D] (e.g. norm then attention).
     Returns a ``Pending``: pass it to the next ``sublayer``, or to ``finish`` for the streams.
     Works under jit, grad, checkpoint and scan (``Pending`` is a pytree). ``fallback``: as for
-    ``boundary``.
+    ``boundary``; ``tensor_axis``: as for ``pre`` (the same for every sublayer of the chain).
     """
+    options = dict(use_kernel=use_kernel, tensor_axis=tensor_axis)
     if isinstance(state, Pending):
-        layer_in, ctx = boundary(state.layer_out, state.ctx, params, config, use_kernel=use_kernel, fallback=fallback)
+        layer_in, ctx = boundary(state.layer_out, state.ctx, params, config, fallback=fallback, **options)
     else:
-        layer_in, ctx = pre(state, params, config, use_kernel=use_kernel)
+        layer_in, ctx = pre(state, params, config, **options)
     return Pending(branch(layer_in), ctx)
 
 
@@ -165,101 +237,26 @@ def reduce(x: jax.Array) -> jax.Array:
     return x.sum(axis=-2, dtype=jnp.float32).astype(x.dtype)
 
 
-def head(x: jax.Array, params: HeadParams, config: Config, *, use_kernel: bool = True) -> jax.Array:
+def head(
+    x: jax.Array, params: HeadParams, config: Config, *, use_kernel: bool = True, tensor_axis: str | None = None
+) -> jax.Array:
     """DeepSeek-V4's learned collapse of the streams [..., n, D] into one [..., D] (spec: Head), in
     place of ``reduce``: out = sum_k g_k x_k, g = sigmoid(scale * r * (x_flat . fn^T) + base) + pre_eps.
 
     params: f32 ``HeadParams`` (fn [n, n*D], base [n], scale [1]); uses config.n, rms_eps and pre_eps.
     The kernels run on the CPU only: elsewhere ``use_kernel=True`` raises, ``use_kernel=False``
     runs the plain formulas.
+
+    tensor_axis: only inside ``jax.shard_map`` with D split over a mesh axis: that axis's name
+    (params whole, replicated). The head has no split form: x is all-gathered over the axis, the
+    head runs on the whole D on every device of it, and each keeps its slice of the output (the
+    backward reduce-scatters dx). Under ``jax.jit`` on sharded arrays leave it None.
     """
+    slices = _tensor_slices(tensor_axis, use_kernel)
     if not use_kernel:
         return reference.head(x, params, config)
-    check_head_args(x, params, config)
-    return _kernels.head(config, x, params)
-
-
-def _axes_tuple(axes) -> tuple:
-    if axes is None:
-        return ()
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-class _Layout:
-    """PartitionSpecs of one sharded call: tokens (x's first axis) over ``token_axes``, D (the
-    last axis) over ``tensor_axis``, streams and other leading axes replicated."""
-
-    def __init__(self, mesh, token_axes, tensor_axis, x_ndim: int, d: int):
-        tokens = _axes_tuple(token_axes)
-        for name in tokens + _axes_tuple(tensor_axis):
-            if name not in mesh.shape:
-                raise ValueError(f"token_axes/tensor_axis: {name!r} is not an axis of the mesh {dict(mesh.shape)}")
-        if tensor_axis is not None and not isinstance(tensor_axis, str):
-            raise TypeError(f"tensor_axis: expected one mesh axis name (str) or None, got {tensor_axis!r}")
-        if tensor_axis is not None and tensor_axis in tokens:
-            raise ValueError(f"tensor_axis: {tensor_axis!r} is also one of token_axes {tokens}")
-        self.slices = 1 if tensor_axis is None else mesh.shape[tensor_axis]
-        if d % self.slices:
-            raise ValueError(
-                f"x: D = {d} must be divisible by the {self.slices} devices of tensor_axis {tensor_axis!r}"
-            )
-        self.tensor_axis = tensor_axis
-        token_entry = tokens if tokens else None
-        middle = (None,) * (x_ndim - 3) if x_ndim >= 3 else ()
-        # x [T, ..., n, D], layer_in [T, ..., D], coefficients [T, ..., n(, n)].
-        if x_ndim >= 3:
-            self.x = PartitionSpec(token_entry, *middle, None, tensor_axis)
-            self.layer_in = PartitionSpec(token_entry, *middle, tensor_axis)
-            self.coefficients = PartitionSpec(token_entry)
-        else:  # x [n, D]: a single token
-            self.x = PartitionSpec(None, tensor_axis)
-            self.layer_in = PartitionSpec(tensor_axis)
-            self.coefficients = PartitionSpec()
-
-
-def _constrain(mesh, value, spec):
-    return jax.lax.with_sharding_constraint(value, NamedSharding(mesh, spec))
-
-
-def sharded_pre(x, params: Params, config: Config, *, mesh, token_axes=None, tensor_axis=None):
-    """``pre`` with x, layer_in and the context constrained to a layout: x's first axis split over
-    the mesh axes ``token_axes`` and, with ``tensor_axis``, its last axis (D) over that mesh axis.
-
-    A convenience only: ``pre`` itself carries the partitioning rules, so plain ``jax.jit`` on
-    arrays already sharded this way does the same (README, "Many devices"). This checks the axes
-    and pins the shardings with ``jax.lax.with_sharding_constraint``; call it under ``jax.jit``
-    (outside jit the calls run, correctly, on whole arrays).
-
-    Data parallelism (token_axes): each device runs the fused kernels on its tokens; the parameter
-    gradients are summed over the token axes by one all-reduce.
-
-    Tensor parallelism (tensor_axis): each device holds D / size features of every stream and
-    uses the matching rows of norm_weight and phi (rows k*D + d of each stream k): replicated
-    parameters are sliced on each device without communication. The RMS and the projection sum
-    over all of n*D: each device computes its partial sums, and one all-reduce of a [tokens, N+1]
-    f32 array per call completes them (in the backward, [tokens, n] for dh_pre and
-    [tokens, n + n*n] for dh_post and dh_res, which XLA combines); x itself never moves.
-
-    Use ``sharded_post`` with the returned context and the same mesh and axes.
-    """
-    check_pre_args(x, params, config)
-    layout = _Layout(mesh, token_axes, tensor_axis, x.ndim, x.shape[-1])
-    layer_in, ctx = _pre_kernel(_constrain(mesh, x, layout.x), params, config)
-    return _constrain(mesh, layer_in, layout.layer_in), Context(
-        _constrain(mesh, ctx.x, layout.x),
-        _constrain(mesh, ctx.h_post, layout.coefficients),
-        _constrain(mesh, ctx.h_res, layout.coefficients),
-        config,
-        True,
-    )
-
-
-def sharded_post(layer_out, ctx: Context, *, mesh, token_axes=None, tensor_axis=None):
-    """``post`` with its output constrained like ``sharded_pre`` (same mesh, token_axes and
-    tensor_axis). Purely local: each device mixes its own slice of the streams."""
-    check_post_args(layer_out, ctx)
-    if not ctx.use_kernel:
-        raise ValueError("ctx: sharded_post needs the context of sharded_pre (use_kernel=True)")
-    layout = _Layout(mesh, token_axes, tensor_axis, ctx.x.ndim, ctx.x.shape[-1])
-    out = _post_kernel(_constrain(mesh, layer_out, layout.layer_in), ctx)
-    return _constrain(mesh, out, layout.x)
+    check_activation("x", x)
+    check_head_args(_global_x(x, _rows(params, "fn", -1), "params.fn", tensor_axis, slices), params, config)
+    if tensor_axis is not None and slices > 1:
+        return _kernels.head_gathering_features(config, tensor_axis, x, params)
+    return _kernels.head(config, *_kernels.on_common_manual_axes(x, params))

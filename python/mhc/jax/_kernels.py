@@ -28,7 +28,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from mhc import _ffi
-from mhc.jax._partitioning import Operation, apply
+from mhc.jax._partitioning import Operation, Plan, apply
 from mhc.jax._types import Config, HeadParams, Params
 
 _F32 = jnp.float32
@@ -47,7 +47,40 @@ def _attributes(config: Config, slices: int) -> dict:
     )
 
 
+def on_common_manual_axes(*trees):
+    """The arrays of ``trees`` typed as varying over the union of their manual mesh axes.
+
+    Inside ``jax.shard_map`` (with its default check_vma) a custom call needs every operand to
+    vary over the same mesh axes, and a custom VJP's cotangents must be typed like its inputs: a
+    replicated parameter is made varying where x is, and the transpose of that cast sums its
+    gradient over those axes. Outside shard_map, or with check_vma=False, nothing changes."""
+    leaves, treedef = jax.tree.flatten(trees)
+    varying = frozenset().union(*(jax.typeof(leaf).mat.varying for leaf in leaves))
+    leaves = [_vary(leaf, varying) for leaf in leaves]
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _vary(array, varying: frozenset):
+    missing = tuple(sorted(varying - jax.typeof(array).mat.varying))
+    return jax.lax.pcast(array, missing, to="varying") if missing else array
+
+
+def _manual_axes_types(args, result_types):
+    """The operands and result types of a custom call, all on the operands' common manual axes."""
+    varying = frozenset().union(*(jax.typeof(a).mat.varying for a in args))
+    if not varying:
+        return args, result_types
+    manual = jax.sharding.ManualAxisType(varying=varying)
+    # The manual mesh of shard_map (an abstract mesh: the arrays here are per-device).
+    sharding = jax.sharding.NamedSharding(jax.typeof(args[0]).sharding.mesh, jax.sharding.PartitionSpec())
+    typed = jax.tree.map(
+        lambda r: jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=sharding, manual_axis_type=manual), result_types
+    )
+    return tuple(_vary(a, varying) for a in args), typed
+
+
 def _call(target: str, config: Config, result_types, *args, slices: int = 1):
+    args, result_types = _manual_axes_types(args, result_types)
     # "sequential": the calls take parameters, which other vmap methods would batch wrongly.
     call = jax.ffi.ffi_call(target, result_types, vmap_method="sequential")
     return call(*args, **_attributes(config, slices))
@@ -479,89 +512,140 @@ batching.primitive_batchers[_check_platform_p] = lambda args, dims, **params: (
 )
 
 
-def _apply(operation: Operation, config: Config, lead: int, *operands, fallback: str = "error") -> tuple:
+def _apply(
+    operation: Operation, config: Config, lead: int, *operands, fallback: str = "error", tensor_axis=None
+) -> tuple:
     """``apply``, after the platform check on the operand that decides the plan. The check sits
-    outside the partitioned call: inside, XLA would lower it only while compiling, per shard."""
+    outside the partitioned call: inside, XLA would lower it only while compiling, per shard.
+    Inside ``jax.shard_map`` (``tensor_axis`` given, or operands varying over manual axes), the
+    operation's per-device function instead (``_run_manual``)."""
     operands = list(operands)
     primary = operands[operation.primary]
     operands[operation.primary] = _check_platform_p.bind(primary, operation=operation, fallback=fallback)
+    if tensor_axis is not None or any(jax.typeof(a).mat.varying for a in operands):
+        return _run_manual(operation, config, lead, tensor_axis, *operands)
     return apply(operation, config, lead, *operands)
 
 
-def _shaped(config: Config, d: int, params: Params) -> tuple:
+# Inside jax.shard_map the arrays are already each device's shards and every mesh axis is manual:
+# no partitioning rule applies, so the operation's per-device function (the one the rules pick
+# under jit) runs directly, with a plan whose token axes are empty (the caller's shard_map sums
+# the parameter gradients over its token axes, as for any replicated input) and whose feature
+# axis is ``tensor_axis``.
+
+
+def _run_manual(operation: Operation, config: Config, lead: int, tensor_axis, *operands) -> tuple:
+    slices = 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis)
+    plan = Plan(tokens=(None,) * lead, features=tensor_axis if slices > 1 else None, slices=slices)
+    results = operation.local(config, plan, *operands)
+    # The psums inside leave some results invariant over tensor_axis; a custom VJP wants its
+    # cotangents typed like its inputs, which on_common_manual_axes made varying over all axes.
+    varying = frozenset().union(*(jax.typeof(a).mat.varying for a in operands))
+    return tuple(_vary(result, varying) for result in results)
+
+
+def _shaped(config: Config, d: int, params: Params, tensor_axis=None) -> tuple:
+    """norm_weight [n, D] and phi [n, D, N] (row k*D + j: stream k, feature j), alpha, bias. With
+    ``tensor_axis`` (inside shard_map; params hold every feature's rows) this device's D slice."""
     n, width = config.n, config.projection_width
-    return params.norm_weight.reshape(n, d), params.phi.reshape(n, d, width), params.alpha, params.bias
+    norm_weight, phi = params.norm_weight.reshape(n, -1), params.phi.reshape(n, -1, width)
+    if tensor_axis is not None:
+        start = jax.lax.axis_index(tensor_axis) * d
+        norm_weight = jax.lax.dynamic_slice_in_dim(norm_weight, start, d, axis=1)
+        phi = jax.lax.dynamic_slice_in_dim(phi, start, d, axis=1)
+    return norm_weight, phi, params.alpha, params.bias
+
+
+def _param_grads(params: Params, tensor_axis, dnorm_weight, dphi, dalpha, dbias) -> Params:
+    """The gradients shaped like ``params``. With ``tensor_axis``: this device's rows in place and
+    zeros elsewhere, and dalpha, dbias (the same on every device of the axis) on its first device
+    only, so that the sum over the axis (shard_map's transpose for a replicated input) completes
+    them: a parameter-sized all-reduce."""
+    if tensor_axis is not None:
+        index = jax.lax.axis_index(tensor_axis)
+        n, d = dnorm_weight.shape
+        start = index * d
+        dnorm_weight = jax.lax.dynamic_update_slice_in_dim(
+            jnp.zeros((n, params.norm_weight.size // n), _F32), dnorm_weight, start, axis=1
+        )
+        dphi = jax.lax.dynamic_update_slice_in_dim(
+            jnp.zeros((n, params.phi.shape[0] // n, dphi.shape[-1]), _F32), dphi, start, axis=1
+        )
+        dalpha, dbias = jnp.where(index == 0, dalpha, 0), jnp.where(index == 0, dbias, 0)
+    return Params(dnorm_weight.reshape(params.norm_weight.shape), dphi.reshape(params.phi.shape), dalpha, dbias)
 
 
 def _lead(x) -> int:
     return x.ndim - 2
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def pre(config: Config, x, params: Params):
-    """x [..., n, D] -> layer_in [..., D], x (for the context), h_post [..., n], h_res [..., n, n]."""
-    return _pre_fwd(config, x, params)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def pre(config: Config, tensor_axis, x, params: Params):
+    """x [..., n, D] -> layer_in [..., D], x (for the context), h_post [..., n], h_res [..., n, n].
+    ``tensor_axis``: None, or inside shard_map the mesh axis that splits D (x holds D / size of it;
+    params every feature's rows)."""
+    return _pre_fwd(config, tensor_axis, x, params)[0]
 
 
-def _pre_fwd(config, x, params):
-    shaped = _shaped(config, x.shape[-1], params)
-    layer_in, h_post, h_res, partials = _apply(PRE_FORWARD, config, _lead(x), x, *shaped)
+def _pre_fwd(config, tensor_axis, x, params):
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
+    layer_in, h_post, h_res, partials = _apply(PRE_FORWARD, config, _lead(x), x, *shaped, tensor_axis=tensor_axis)
     return (layer_in, x, h_post, h_res), (x, partials, params)
 
 
-def _pre_bwd(config, residuals, cotangents):
+def _pre_bwd(config, tensor_axis, residuals, cotangents):
     x, partials, params = residuals
-    shaped = _shaped(config, x.shape[-1], params)
-    dx, dnorm_weight, dphi, dalpha, dbias = _apply(PRE_BACKWARD, config, _lead(x), *cotangents, x, partials, *shaped)
-    return dx, Params(dnorm_weight.reshape(-1), dphi.reshape(params.phi.shape), dalpha, dbias)
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
+    operands = (*cotangents, x, partials, *shaped)
+    grads = _apply(PRE_BACKWARD, config, _lead(x), *operands, tensor_axis=tensor_axis)
+    return grads[0], _param_grads(params, tensor_axis, *grads[1:])
 
 
 pre.defvjp(_pre_fwd, _pre_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def post(config: Config, x, layer_out, h_post, h_res):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def post(config: Config, tensor_axis, x, layer_out, h_post, h_res):
     """-> out [..., n, D]."""
-    return _apply(POST_FORWARD, config, _lead(x), x, layer_out, h_post, h_res)[0]
+    return _apply(POST_FORWARD, config, _lead(x), x, layer_out, h_post, h_res, tensor_axis=tensor_axis)[0]
 
 
-def _post_fwd(config, x, layer_out, h_post, h_res):
-    return post(config, x, layer_out, h_post, h_res), (x, layer_out, h_post, h_res)
+def _post_fwd(config, tensor_axis, x, layer_out, h_post, h_res):
+    return post(config, tensor_axis, x, layer_out, h_post, h_res), (x, layer_out, h_post, h_res)
 
 
-def _post_bwd(config, residuals, g):
-    return tuple(_apply(POST_BACKWARD, config, _lead(residuals[0]), g, *residuals))
+def _post_bwd(config, tensor_axis, residuals, g):
+    return tuple(_apply(POST_BACKWARD, config, _lead(residuals[0]), g, *residuals, tensor_axis=tensor_axis))
 
 
 post.defvjp(_post_fwd, _post_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def boundary(config: Config, fallback: str, x, layer_out, h_post, h_res, params: Params):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def boundary(config: Config, fallback: str, tensor_axis, x, layer_out, h_post, h_res, params: Params):
     """post of sublayer l (x, layer_out, h_post, h_res) then pre of l+1 (params, config) ->
     layer_in [..., D], x_next (for the next context), h_post [..., n], h_res [..., n, n] of l+1:
     the outputs of ``pre`` for x_next. The backward keeps x, not x_next (recomputed per tile).
     ``fallback``: one of FALLBACK_CHOICES, for a platform without the fused kernels."""
-    return _boundary_fwd(config, fallback, x, layer_out, h_post, h_res, params)[0]
+    return _boundary_fwd(config, fallback, tensor_axis, x, layer_out, h_post, h_res, params)[0]
 
 
-def _boundary_fwd(config, fallback, x, layer_out, h_post, h_res, params):
-    shaped = _shaped(config, x.shape[-1], params)
+def _boundary_fwd(config, fallback, tensor_axis, x, layer_out, h_post, h_res, params):
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
+    operands = (x, layer_out, h_post, h_res, *shaped)
     x_next, layer_in, next_h_post, next_h_res, partials = _apply(
-        BOUNDARY_FORWARD, config, _lead(x), x, layer_out, h_post, h_res, *shaped, fallback=fallback
+        BOUNDARY_FORWARD, config, _lead(x), *operands, fallback=fallback, tensor_axis=tensor_axis
     )
     return (layer_in, x_next, next_h_post, next_h_res), (x, layer_out, h_post, h_res, partials, params)
 
 
-def _boundary_bwd(config, fallback, residuals, cotangents):
+def _boundary_bwd(config, fallback, tensor_axis, residuals, cotangents):
     x, layer_out, h_post, h_res, partials, params = residuals
-    shaped = _shaped(config, x.shape[-1], params)
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
     # cotangents: layer_in, x_next (the next post's dx_partial), h_post, h_res of sublayer l+1.
     operands = (*cotangents, x, layer_out, h_post, h_res, partials, *shaped)
-    results = _apply(BOUNDARY_BACKWARD, config, _lead(x), *operands, fallback=fallback)
-    dx_partial, dlayer_out, dh_post, dh_res, dnorm_weight, dphi, dalpha, dbias = results
-    grads = Params(dnorm_weight.reshape(-1), dphi.reshape(params.phi.shape), dalpha, dbias)
-    return dx_partial, dlayer_out, dh_post, dh_res, grads
+    results = _apply(BOUNDARY_BACKWARD, config, _lead(x), *operands, fallback=fallback, tensor_axis=tensor_axis)
+    return (*results[:4], _param_grads(params, tensor_axis, *results[4:]))
 
 
 boundary.defvjp(_boundary_fwd, _boundary_bwd)
@@ -584,3 +668,13 @@ def _head_bwd(config, residuals, dout):
 
 
 head.defvjp(_head_fwd, _head_bwd)
+
+
+def head_gathering_features(config: Config, tensor_axis: str, x, params: HeadParams):
+    """The head inside shard_map with D split over ``tensor_axis`` (it has no split form): x
+    all-gathered over the axis, the head on the whole D on every device of it, and this device's
+    slice of the output kept. The backward (JAX's transposes) reduce-scatters dx."""
+    d = x.shape[-1]
+    whole = jax.lax.all_gather(x, tensor_axis, axis=x.ndim - 1, tiled=True)
+    out = head(config, *on_common_manual_axes(whole, params))
+    return jax.lax.dynamic_slice_in_dim(out, jax.lax.axis_index(tensor_axis) * d, d, axis=-1)

@@ -103,8 +103,8 @@ def init_head_params(key: jax.Array, config: Config, dim: int) -> HeadParams:
 class Context:
     """What post and the backward need from pre: the streams and the post/res coefficients.
 
-    x [..., n, D] (x's dtype), h_post [..., n] and h_res [..., n, n] (f32). `config` and
-    `use_kernel` are static, so post runs the same path as the pre that made the context.
+    x [..., n, D] (x's dtype), h_post [..., n] and h_res [..., n, n] (f32). `config`, `use_kernel`
+    and `tensor_axis` are static, so post runs the same path as the pre that made the context.
     """
 
     x: jax.Array
@@ -112,6 +112,9 @@ class Context:
     h_res: jax.Array
     config: Config = dataclasses.field(metadata=dict(static=True))
     use_kernel: bool = dataclasses.field(metadata=dict(static=True))
+    # Inside jax.shard_map, the mesh axis that splits D (pre's tensor_axis): post's backward sums
+    # over it.
+    tensor_axis: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
