@@ -4,6 +4,7 @@
 // from x.size() / (n*D). These functions do not validate; they are for tests and reading.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "mhc/config.h"
@@ -89,6 +90,23 @@ struct HeadBackward {
 };
 MHC_API HeadBackward head_backward(const Config& config, const Vec& dout, const Vec& x,
                                    const HeadParams& params);
+
+// Rounding noise for the tests' condition estimate (tests/cpp/test_util.h, expect_matches). While
+// one is alive on the calling thread, every function above multiplies each intermediate that the
+// kernels round to f32 and then reuse by (1 + u), u uniform in [-unit, unit], drawn from `seed`:
+// per token the RMS factor r, the projection P, the logits a and the coefficients H_pre, H_post,
+// H_res (the head: r, p, a and the sigmoids), and the boundary's x_next. Moving the inputs alone
+// cannot show an error that comes from rounding these where a later difference cancels: the RMS
+// backward's dx is two terms that both carry r and P (with one value per token they cancel to
+// rms_eps r^2 of either), layer_in of one feature is a sum of n terms h_pre_k x_k. Not for use
+// across threads; scopes do not nest.
+class MHC_API RoundingNoise {
+ public:
+  RoundingNoise(uint64_t seed, double unit);
+  ~RoundingNoise();
+  RoundingNoise(const RoundingNoise&) = delete;
+  RoundingNoise& operator=(const RoundingNoise&) = delete;
+};
 
 // H_res of one token from its R residual logits (spec: Forward step 5).
 MHC_API Vec mix_matrix(const Config& config, const double* residual_logits);

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -11,6 +12,20 @@ namespace mhc::reference {
 namespace {
 
 double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+
+// The active RoundingNoise of this thread (unit 0: none).
+struct Noise {
+  std::mt19937_64 rng;
+  double unit = 0.0;
+};
+thread_local Noise noise;
+
+// `value` as a kernel may hold it after rounding to f32: unchanged unless a RoundingNoise is alive.
+double rounded(double value) {
+  if (noise.unit == 0.0) return value;
+  std::uniform_real_distribution<double> u(-noise.unit, noise.unit);
+  return value * (1.0 + u(noise.rng));
+}
 
 // Row-wise softmax of an n x n matrix.
 Vec softmax_rows(const double* logits, int64_t n) {
@@ -135,27 +150,36 @@ TokenCoefficients token_coefficients(const Config& config, const double* x, cons
   TokenCoefficients tc;
   double sum_squares = 0.0;
   for (int64_t m = 0; m < M; ++m) sum_squares += x[m] * x[m];
-  tc.r = 1.0 / std::sqrt(sum_squares / static_cast<double>(M) + config.rms_eps);
+  tc.r = rounded(1.0 / std::sqrt(sum_squares / static_cast<double>(M) + config.rms_eps));
   tc.P.assign(static_cast<size_t>(N), 0.0);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t c = 0; c < N; ++c) tc.P[c] += x[m] * params.norm_weight[m] * params.phi[m * N + c];
   }
+  for (double& projection : tc.P) projection = rounded(projection);
   tc.Z.resize(static_cast<size_t>(N));
   tc.a.resize(static_cast<size_t>(N));
   for (int64_t c = 0; c < N; ++c) {
     const int group = c < n ? 0 : (c < 2 * n ? 1 : 2);
     tc.Z[c] = tc.r * tc.P[c];
-    tc.a[c] = params.alpha[group] * tc.Z[c] + params.bias[c];
+    tc.a[c] = rounded(params.alpha[group] * tc.Z[c] + params.bias[c]);
   }
   for (int64_t k = 0; k < n; ++k) {
-    tc.h_pre.push_back(sigmoid(tc.a[k]) + config.pre_eps);
-    tc.h_post.push_back(config.post_scale * sigmoid(tc.a[n + k]));
+    tc.h_pre.push_back(rounded(sigmoid(tc.a[k]) + config.pre_eps));
+    tc.h_post.push_back(rounded(config.post_scale * sigmoid(tc.a[n + k])));
   }
   tc.h_res = mix_matrix(config, tc.a.data() + 2 * n);
+  for (double& coefficient : tc.h_res) coefficient = rounded(coefficient);
   return tc;
 }
 
 }  // namespace
+
+RoundingNoise::RoundingNoise(uint64_t seed, double unit) {
+  noise.rng.seed(seed);
+  noise.unit = unit;
+}
+
+RoundingNoise::~RoundingNoise() { noise.unit = 0.0; }
 
 Vec mix_matrix(const Config& config, const double* logits) {
   const int64_t n = config.n;
@@ -290,6 +314,7 @@ BoundaryForward boundary_forward(const Config& config, const Vec& x, const Vec& 
                                  const Vec& h_post, const Vec& h_res, const Params& next_params) {
   BoundaryForward out;
   out.x_next = post_forward(config, x, layer_out, h_post, h_res);
+  for (double& value : out.x_next) value = rounded(value);
   out.next = pre_forward(config, out.x_next, next_params);
   return out;
 }
@@ -298,7 +323,8 @@ BoundaryBackward boundary_backward(const Config& config, const Vec& next_dlayer_
                                    const Vec& next_dx_partial, const Vec& next_dh_post,
                                    const Vec& next_dh_res, const Vec& x, const Vec& layer_out,
                                    const Vec& h_post, const Vec& h_res, const Params& next_params) {
-  const Vec x_next = post_forward(config, x, layer_out, h_post, h_res);
+  Vec x_next = post_forward(config, x, layer_out, h_post, h_res);
+  for (double& value : x_next) value = rounded(value);
   PreBackward next = pre_backward(config, next_dlayer_in, next_dx_partial, next_dh_post,
                                   next_dh_res, x_next, next_params);
   return BoundaryBackward{post_backward(config, next.dx, x, layer_out, h_post, h_res),
@@ -317,13 +343,13 @@ HeadToken head_token(const Config& config, const double* xt, const HeadParams& p
   const int64_t n = config.n, M = flat_width(config);
   double squares = 0.0;
   for (int64_t m = 0; m < M; ++m) squares += xt[m] * xt[m];
-  HeadToken token{1.0 / std::sqrt(squares / static_cast<double>(M) + config.rms_eps),
+  HeadToken token{rounded(1.0 / std::sqrt(squares / static_cast<double>(M) + config.rms_eps)),
                   Vec(static_cast<size_t>(n)), Vec(static_cast<size_t>(n))};
   for (int64_t k = 0; k < n; ++k) {
     double dot = 0.0;
     for (int64_t m = 0; m < M; ++m) dot += xt[m] * params.fn[k * M + m];
-    token.p[k] = dot;
-    token.s[k] = sigmoid(params.scale[0] * token.r * dot + params.base[k]);
+    token.p[k] = rounded(dot);
+    token.s[k] = rounded(sigmoid(rounded(params.scale[0] * token.r * token.p[k] + params.base[k])));
   }
   return token;
 }

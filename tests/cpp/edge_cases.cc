@@ -99,10 +99,10 @@ reference::Params OperationCheck::perturb(const reference::Params& p) {
   return perturb_f32(rng_, p);
 }
 
-void OperationCheck::check(const std::string& name, const Placed& got, DType dtype,
-                           const Vec& want) {
+void OperationCheck::check(const std::string& name, const Placed& got, DType dtype, const Vec& want,
+                           const std::function<Vec()>& perturbed) {
   EXPECT_TRUE(got.guards_intact()) << name << ": written outside its view (" << where() << ")";
-  expect_matches(name, dtype, got.values(), want, nullptr, where());
+  expect_matches(name, dtype, got.values(), want, perturbed, where());
 }
 
 void OperationCheck::check(const std::string& name, const HostTensor& got, const Vec& want,
@@ -119,10 +119,13 @@ void OperationCheck::pre_forward() {
   backend().pre_forward(config_, x.ref(), params.view(),
                         PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
   const reference::PreForward want = reference::pre_forward(config_, x.values(), params_);
-  check("pre_forward layer_in", layer_in, dtype_, want.layer_in);
-  check("pre_forward h_pre", h_pre, DType::f32, want.h_pre);
-  check("pre_forward h_post", h_post, DType::f32, want.h_post);
-  check("pre_forward h_res", h_res, DType::f32, want.h_res);
+  auto moved = [&] {
+    return reference::pre_forward(config_, perturb(x.values()), perturb(params_));
+  };
+  check("pre_forward layer_in", layer_in, dtype_, want.layer_in, [&] { return moved().layer_in; });
+  check("pre_forward h_pre", h_pre, DType::f32, want.h_pre, [&] { return moved().h_pre; });
+  check("pre_forward h_post", h_post, DType::f32, want.h_post, [&] { return moved().h_post; });
+  check("pre_forward h_res", h_res, DType::f32, want.h_res, [&] { return moved().h_res; });
 }
 
 void OperationCheck::post_forward() {
@@ -133,7 +136,11 @@ void OperationCheck::post_forward() {
   backend().post_forward(config_, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), out.mut());
   check("post_forward out", out, dtype_,
         reference::post_forward(config_, x.values(), layer_out.values(), h_post.values(),
-                                h_res.values()));
+                                h_res.values()),
+        [&] {
+          return reference::post_forward(config_, perturb(x.values()), perturb(layer_out.values()),
+                                         perturb(h_post.values()), perturb(h_res.values()));
+        });
 }
 
 void OperationCheck::post_backward() {
@@ -148,10 +155,18 @@ void OperationCheck::post_backward() {
       PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()});
   const reference::PostBackward want = reference::post_backward(
       config_, g.values(), x.values(), layer_out.values(), h_post.values(), h_res.values());
-  check("post_backward dx_partial", dx_partial, dtype_, want.dx_partial);
-  check("post_backward dlayer_out", dlayer_out, dtype_, want.dlayer_out);
-  check("post_backward dh_post", dh_post, DType::f32, want.dh_post);
-  check("post_backward dh_res", dh_res, DType::f32, want.dh_res);
+  auto moved = [&] {
+    return reference::post_backward(config_, perturb(g.values()), perturb(x.values()),
+                                    perturb(layer_out.values()), perturb(h_post.values()),
+                                    perturb(h_res.values()));
+  };
+  check("post_backward dx_partial", dx_partial, dtype_, want.dx_partial,
+        [&] { return moved().dx_partial; });
+  check("post_backward dlayer_out", dlayer_out, dtype_, want.dlayer_out,
+        [&] { return moved().dlayer_out; });
+  check("post_backward dh_post", dh_post, DType::f32, want.dh_post,
+        [&] { return moved().dh_post; });
+  check("post_backward dh_res", dh_res, DType::f32, want.dh_res, [&] { return moved().dh_res; });
 }
 
 void OperationCheck::pre_backward() {
@@ -168,16 +183,17 @@ void OperationCheck::pre_backward() {
   const reference::PreBackward want =
       reference::pre_backward(config_, dlayer_in.values(), dx_partial.values(), dh_post.values(),
                               dh_res.values(), x.values(), params_);
-  check("pre_backward dx", dx, dtype_, want.dx);
-  check("pre_backward dnorm_weight", grads.norm_weight, want.grads.norm_weight);
-  check("pre_backward dphi", grads.phi, want.grads.phi);
-  check("pre_backward dbias", grads.bias, want.grads.bias);
-  check("pre_backward dalpha", grads.alpha, want.grads.alpha, [&] {
+  auto moved = [&] {
     return reference::pre_backward(config_, perturb(dlayer_in.values()),
                                    perturb(dx_partial.values()), perturb(dh_post.values()),
-                                   perturb(dh_res.values()), perturb(x.values()), perturb(params_))
-        .grads.alpha;
-  });
+                                   perturb(dh_res.values()), perturb(x.values()), perturb(params_));
+  };
+  check("pre_backward dx", dx, dtype_, want.dx, [&] { return moved().dx; });
+  check("pre_backward dnorm_weight", grads.norm_weight, want.grads.norm_weight,
+        [&] { return moved().grads.norm_weight; });
+  check("pre_backward dphi", grads.phi, want.grads.phi, [&] { return moved().grads.phi; });
+  check("pre_backward dbias", grads.bias, want.grads.bias, [&] { return moved().grads.bias; });
+  check("pre_backward dalpha", grads.alpha, want.grads.alpha, [&] { return moved().grads.alpha; });
 }
 
 }  // namespace mhc::test

@@ -47,10 +47,9 @@ class Placed {
 };
 
 // Runs operations of one shape on the backend under test and checks every output against the
-// float64 reference by test_util.h's bound for its dtype (matches_reference: f32 outputs 1e-5,
-// bf16 outputs half an ulp). Only dalpha (three sums over all tokens of terms of both signs) may
-// instead be within 32x of what rounding the inputs by one f32 unit changes in the reference (the
-// rule of kernels_test.cc). Activation views are placed `in_offset` (inputs) and `out_offset`
+// float64 reference by test_util.h's rule (expect_matches: f32 outputs 1e-5, bf16 outputs half an
+// ulp, or 32x the reference's spread under one-f32-unit perturbations where that is larger).
+// Activation views are placed `in_offset` (inputs) and `out_offset`
 // (outputs) elements past a 16-byte boundary; outputs start as NaN, their guards must stay NaN.
 class OperationCheck {
  public:
@@ -73,9 +72,11 @@ class OperationCheck {
   Placed output(DType dtype, std::vector<int64_t> shape);
   Vec perturb(const Vec& values);
   reference::Params perturb(const reference::Params& p);
-  void check(const std::string& name, const Placed& got, DType dtype, const Vec& want);
+  // `perturbed`: the reference on inputs moved by one f32 unit (test_util.h, expect_matches).
+  void check(const std::string& name, const Placed& got, DType dtype, const Vec& want,
+             const std::function<Vec()>& perturbed);
   void check(const std::string& name, const HostTensor& got, const Vec& want,
-             const std::function<Vec()>& perturbed = nullptr);
+             const std::function<Vec()>& perturbed);
   std::string where() const;
 
   Config config_;
