@@ -185,11 +185,26 @@ _run.def_partition(
 )
 
 
+def _folds(operation: Operation, in_batched) -> bool:
+    """Whether a vmap of ``operation`` can be one call with the batch axis as one more token axis:
+    only token-shaped operands (letter ``B`` first) are batched, and every result is token-shaped.
+    A parameter-shaped result (a parameter gradient, a sum over the tokens) must stay one sum per
+    batch element under vmap, which one call over all the elements' tokens cannot give."""
+    token_operand = [kinds.startswith("B") for kinds in operation.operands]
+    batches_parameters = any(b and not token for b, token in zip(in_batched, token_operand, strict=True))
+    return not batches_parameters and all(kinds.startswith("B") for kinds in operation.results)
+
+
 def apply(operation: Operation, config: Config, lead: int, *operands) -> tuple:
     """Runs ``operation`` on whole arrays; partitioned by its rule under jit on a mesh.
 
-    custom_partitioning has no batching rule, so vmap runs the calls one batch element at a time
-    (as the ffi_calls' ``vmap_method="sequential"`` did).
+    custom_partitioning has no batching rule, so vmap is defined here (custom_vmap). Where only
+    the token axes are batched and every result is per token (``_folds``: the forward operations,
+    post's backward), the batch axis becomes one more token axis: one call on all the tokens, the
+    kernels taking any number of them (custom_vmap hands the batch axis over first, next to the
+    token axes, so no data moves; an unbatched token operand is broadcast). Otherwise (a batched
+    parameter, or parameter gradients, one sum per batch element) the calls run one batch
+    element at a time (``lax.map``).
     """
     static = _Static(operation, config, lead)
 
@@ -198,7 +213,15 @@ def apply(operation: Operation, config: Config, lead: int, *operands) -> tuple:
         return tuple(_run(static, *operands))
 
     @run.def_vmap
-    def _sequential(axis_size, in_batched, *operands):
+    def _batched(axis_size, in_batched, *operands):
+        if _folds(operation, in_batched):
+            folded = [
+                a if b or not kinds.startswith("B") else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, b, kinds in zip(operands, in_batched, operation.operands, strict=True)
+            ]
+            results = apply(operation, config, lead + 1, *folded)
+            return results, tuple(True for _ in results)
+
         batched = [a for a, b in zip(operands, in_batched, strict=True) if b]
 
         def one(sliced):
