@@ -9,7 +9,10 @@
 // So, as there (src/cpu/post.cc, vector_math.h): each value is widened to double once, products
 // and per-thread sums are in double (fma_wide: the product of two f32 is exact), the block sum is
 // in double (block_sum), and the result is rounded to f32 once. Fixed order throughout: a thread
-// walks its features in increasing d, the block reduces in block_sum's fixed tree.
+// walks its features in increasing d, the block reduces in block_sum's fixed tree. An emulation of
+// this kernel's order for one token at n = 1, D = 130 (numpy, 200000 normal draws) put 796 draws
+// of the f32 sums past 1e-5 relative (worst 3.9e-2) and none of the double ones (worst 5.9e-8,
+// the final rounding); the device itself has not run it yet.
 //
 // Why double and not compensated f32: simpler, as accurate as the CPU by construction, and the
 // FP64 pipe has room. Napkin math for post_backward at T = 65536, n = 4, D = 7168 on the H200
