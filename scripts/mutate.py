@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import shutil
 import subprocess
@@ -56,6 +57,7 @@ class Mutation:
     description: str
     edits: tuple[Edit, ...]
     python: bool = False  # also run the Python stage (bugs the C++ tests cannot see)
+    python_tests: tuple[str, ...] = tuple(PYTHON_TESTS)  # that stage's tests for this mutation
 
 
 COEFFICIENTS = "src/cpu/coefficients.cc"
@@ -282,6 +284,19 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "boundary_backward_keeps_padded_rows",
+        "the fused boundary's backward lets the token rows XLA padded into the parameter gradients",
+        (
+            Edit(
+                "python/mhc/jax/_kernels.py",
+                "_zero_padded_rows(\n            plan.valid_tokens(lead), *next_cotangents,",
+                "_zero_padded_rows(\n            None, *next_cotangents,",
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_sharding.py::test_padded_rows_stay_out_of_parameter_gradients",),
+    ),
+    Mutation(
         "boundary_recompute_first_tile_gates",
         "the fused boundary backward recomputes every tile's x_next with the first tile's h_post, h_res",
         (
@@ -373,9 +388,18 @@ def cpp_stage(all_failures: bool = False) -> tuple[bool, str]:
     return passed, failures[0] if failures else ""
 
 
-def python_stage() -> tuple[bool, str]:
-    env = dict(os.environ, PYTHONPATH=str(TREE / "python"), JAX_PLATFORMS="cpu")
-    command = [str(VENV_PYTHON), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *PYTHON_TESTS]
+def python_stage(tests=tuple(PYTHON_TESTS)) -> tuple[bool, str]:
+    # .venv's editable install puts a finder first on sys.meta_path that maps `mhc` to the main
+    # tree whatever PYTHONPATH says; a sitecustomize (imported after the .pth files, in every
+    # Python the tests start) removes it, so the copy's mhc is the one tested.
+    site = WORK / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if type(f).__module__ != '_mhc_editable']\n"
+    )
+    path = os.pathsep.join((str(TREE / "python"), str(site)))
+    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
+    command = [str(VENV_PYTHON), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
     result = run(command, cwd=TREE, env=env)
     if result.returncode == 0:
         return True, ""
@@ -430,7 +454,8 @@ def main() -> int:
     result = build()
     if result.returncode != 0:
         sys.exit(f"mutate: the unmutated copy does not build\n{result.stdout[-3000:]}")
-    for stage_name, stage in (("C++", cpp_stage), ("Python", python_stage)):
+    python_tests = sorted({*PYTHON_TESTS, *(t for m in chosen if m.python for t in m.python_tests)})
+    for stage_name, stage in (("C++", cpp_stage), ("Python", functools.partial(python_stage, python_tests))):
         passed, detail = stage()
         if not passed:
             sys.exit(f"mutate: the unmutated {stage_name} tests fail ({detail}); fix that first")
@@ -447,7 +472,7 @@ def main() -> int:
             else:
                 passed, detail = cpp_stage(args.all_failures)
                 if passed and mutation.python:
-                    passed, detail = python_stage()
+                    passed, detail = python_stage(mutation.python_tests)
                 caught = not passed
                 verdict = f"caught by {detail}" if caught else "SURVIVED"
         finally:

@@ -17,18 +17,31 @@ from mhc.jax import _kernels
 PARTITIONERS = ["shardy", "gspmd"] if hasattr(jax.config, "jax_use_shardy_partitioner") else ["shardy"]
 
 
-@pytest.mark.parametrize("partitioner", PARTITIONERS)
-def test_sharded_kernels_match_one_device(seed, partitioner):
+def _run_cases(seed, partitioner, *selection) -> str:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     script = os.path.join(os.path.dirname(__file__), "sharding_cases.py")
-    args = [sys.executable, script, str(seed), partitioner]
+    args = [sys.executable, script, str(seed), partitioner, *selection]
     result = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"seed {seed} {partitioner}\n{result.stdout}\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_sharded_kernels_match_one_device(seed, partitioner):
+    output = _run_cases(seed, partitioner)
     # Shardy: 20 layout checks (5 layouts x 2 mixes x 2 dtypes), 6 padded/gathered, 12 shard_map
-    # (3 operations x 3 layouts in f32, 3 in bf16), 17 others; GSPMD: the layouts and padded cases
-    # for one mix and dtype (5 + 3), 3 shard_map, the same 17 others.
-    expected = 55 if partitioner == "shardy" else 28
-    assert result.stdout.count("ok:") == expected, result.stdout
+    # (3 operations x 3 layouts in f32, 3 in bf16), 14 others; GSPMD: the layouts and padded cases
+    # for one mix and dtype (5 + 3), 3 shard_map, the same 14 others.
+    expected = 52 if partitioner == "shardy" else 25
+    assert output.count("ok:") == expected, output
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_padded_rows_stay_out_of_parameter_gradients(seed, partitioner):
+    """Padded token rows that hold values, for the pre, boundary and head backwards (their own
+    subprocess: quick, so scripts/mutate.py runs it for the padded-row masks)."""
+    output = _run_cases(seed, partitioner, "padded-rows")
+    assert output.count("ok:") == 3, output
 
 
 def test_every_custom_call_has_a_partitioning_rule():
