@@ -31,20 +31,32 @@ def permutation_matrices(n):
     return mats
 
 
-def _forward(x, layer_out, params, config):
-    """Every intermediate the backward needs, for tokens flattened to [T, ...]."""
+def _rounded(value, noise):
+    """value, or with noise (a np.random.Generator) value * (1 + u), |u| <= 2^-24: a value the
+    kernels round to f32 and reuse (conftest.assert_matches' spread; RoundingNoise in
+    include/mhc/reference.h)."""
+    if noise is None:
+        return value
+    return value * (1.0 + noise.uniform(-(2.0**-24), 2.0**-24, np.shape(value)))
+
+
+def _forward(x, layer_out, params, config, noise=None):
+    """Every intermediate the backward needs, for tokens flattened to [T, ...]. With `noise`, r, the
+    projection P, the logits a and the coefficients carry one f32 unit of random rounding
+    (_rounded), as reference::RoundingNoise does in C++."""
     nw, phi, alpha, bias = (np.asarray(p, np.float64) for p in params)
     n, d = x.shape[-2:]
     x3 = np.asarray(x, np.float64).reshape(-1, n, d)
     lo = np.asarray(layer_out, np.float64).reshape(-1, d)
     xf = x3.reshape(len(x3), n * d)
-    r = 1.0 / np.sqrt(np.mean(xf * xf, axis=1) + config.rms_eps)  # step 1
-    projection = (xf * nw) @ phi  # step 2, P
+    r = _rounded(1.0 / np.sqrt(np.mean(xf * xf, axis=1) + config.rms_eps), noise)  # step 1
+    projection = _rounded((xf * nw) @ phi, noise)  # step 2, P
     z = r[:, None] * projection
     scale = np.concatenate([np.full(n, alpha[0]), np.full(n, alpha[1]), np.full(phi.shape[1] - 2 * n, alpha[2])])
-    a = scale * z + bias  # step 3
+    a = _rounded(scale * z + bias, noise)  # step 3
     s_pre, s_post = _sigmoid(a[:, :n]), _sigmoid(a[:, n : 2 * n])
-    h_pre, h_post = s_pre + config.pre_eps, config.post_scale * s_post  # step 4
+    h_pre = _rounded(s_pre + config.pre_eps, noise)  # step 4
+    h_post = _rounded(config.post_scale * s_post, noise)
     res = a[:, 2 * n :]
     steps = []  # (over_columns, sums, result) per Sinkhorn step
     if config.mix == "sinkhorn":  # step 5
@@ -55,10 +67,10 @@ def _forward(x, layer_out, params, config):
             sums = current.sum(axis=1 if over_columns else 2)
             current = current / ((sums[:, None, :] if over_columns else sums[:, :, None]) + config.sinkhorn_eps)
             steps.append((over_columns, sums, current))
-        h_res = current
+        h_res = _rounded(current, noise)
     else:
         soft = _softmax(res)
-        h_res = np.einsum("tp,pij->tij", soft, permutation_matrices(n))
+        h_res = _rounded(np.einsum("tp,pij->tij", soft, permutation_matrices(n)), noise)
     layer_in = np.einsum("tk,tkd->td", h_pre, x3)  # step 6
     out = np.einsum("tij,tid->tjd", h_res, x3) + h_post[:, :, None] * lo[:, None, :]  # step 8
     return dict(
@@ -81,9 +93,9 @@ def _forward(x, layer_out, params, config):
     )
 
 
-def forward(x, layer_out, params, config):
+def forward(x, layer_out, params, config, noise=None):
     """(layer_in, out) in float64, shaped like layer_out and x."""
-    f = _forward(x, layer_out, params, config)
+    f = _forward(x, layer_out, params, config, noise)
     return f["layer_in"].reshape(np.shape(layer_out)), f["out"].reshape(np.shape(x))
 
 
@@ -93,10 +105,10 @@ def coefficients(x, params, config):
     return f["h_pre"], f["h_post"], f["h_res"]
 
 
-def backward(x, layer_out, params, config, dlayer_in, dout):
+def backward(x, layer_out, params, config, dlayer_in, dout, noise=None):
     """The VJP of (layer_in, out) = forward(...) at cotangents (dlayer_in, dout): (dx, dlayer_out,
     dparams) with dparams in the layout of params, all float64 (spec: Backward)."""
-    f = _forward(x, layer_out, params, config)
+    f = _forward(x, layer_out, params, config, noise)
     nw, phi = (np.asarray(p, np.float64) for p in params[:2])
     n, d = f["x3"].shape[1:]
     x3, xf, r, h_res = f["x3"], f["xf"], f["r"], f["h_res"]
@@ -143,25 +155,25 @@ def backward(x, layer_out, params, config, dlayer_in, dout):
     return dxf.reshape(np.shape(x)), dlayer_out.reshape(np.shape(layer_out)), dparams
 
 
-def values(x, layer_out, params, config, dlayer_in, dout):
+def values(x, layer_out, params, config, dlayer_in, dout, noise=None):
     """forward and backward as one dict by NAMES: layer_in, out, then the VJP at (dlayer_in, dout)
-    with respect to x, layer_out and the parameters."""
-    layer_in, out = forward(x, layer_out, params, config)
-    dx, dlo, dparams = backward(x, layer_out, params, config, dlayer_in, dout)
+    with respect to x, layer_out and the parameters. `noise`: see _forward."""
+    layer_in, out = forward(x, layer_out, params, config, noise)
+    dx, dlo, dparams = backward(x, layer_out, params, config, dlayer_in, dout, noise)
     return dict(zip(NAMES, (layer_in, out, dx, dlo, *dparams), strict=True))
 
 
-def head_values(x, head, config, dout):
+def head_values(x, head, config, dout, noise=None):
     """DeepSeek-V4's head (spec: Head) and its VJP at dout: (out [..., D], dx, dfn, dbase, dscale),
-    float64. head = (fn [n, M], base [n], scale [1])."""
+    float64. head = (fn [n, M], base [n], scale [1]). `noise`: r, p, a and the sigmoids as in _forward."""
     fn, base, scale = (np.asarray(p, np.float64) for p in head)
     n, d = x.shape[-2:]
     x3 = np.asarray(x, np.float64).reshape(-1, n, d)
     xf = x3.reshape(len(x3), n * d)
     g = np.asarray(dout, np.float64).reshape(-1, d)
-    r = 1.0 / np.sqrt((xf * xf).mean(axis=1) + config.rms_eps)  # [T]
-    p = xf @ fn.T  # [T, n]
-    s = _sigmoid(scale[0] * r[:, None] * p + base)
+    r = _rounded(1.0 / np.sqrt((xf * xf).mean(axis=1) + config.rms_eps), noise)  # [T]
+    p = _rounded(xf @ fn.T, noise)  # [T, n]
+    s = _rounded(_sigmoid(_rounded(scale[0] * r[:, None] * p + base, noise)), noise)
     out = np.einsum("tk,tkd->td", s + config.pre_eps, x3)
     # Backward through out = sum_k gate_k x_k, gate = sigmoid(a) + pre_eps, a = scale r p + base.
     da = np.einsum("td,tkd->tk", g, x3) * s * (1.0 - s)
