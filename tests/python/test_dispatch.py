@@ -83,10 +83,20 @@ def test_a_tpu_gets_the_mhc_error(operation):
         _export(operation, ["tpu"])
 
 
-@pytest.mark.parametrize("operation", OPERATIONS)
-def test_the_error_names_the_missing_platform_among_several(operation):
-    with pytest.raises(NotImplementedError, match=rf"mhc\.jax\.{operation}: .*'tpu'"):
-        _export(operation, ["cpu", "tpu"])
+def test_a_kernel_call_in_the_callers_cpu_branch_exports_for_several_platforms():
+    """Exported for several platforms at once, JAX lowers every platform_dependent branch for all
+    of them: the kernel path in the caller's CPU branch must not raise for the TPU, whose own
+    branch (the plain path) is the one that runs there."""
+    x, params = _problem("pre")[1]
+
+    def f(x, params):
+        kernel = lambda x, p: mj.pre(x, p, CONFIG)[0]  # noqa: E731
+        plain = lambda x, p: mj.pre(x, p, CONFIG, use_kernel=False)[0]  # noqa: E731
+        return jax.lax.platform_dependent(x, params, cpu=kernel, default=plain)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in _ffi.TARGET_NAMES]
+    exported = jax.export.export(jax.jit(f), platforms=["cpu", "tpu"], disabled_checks=checks)(x, params)
+    assert "mhc_pre_forward" in exported.mlir_module()
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda", "tpu"])

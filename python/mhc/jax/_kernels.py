@@ -462,41 +462,55 @@ def _public_name(operation: Operation) -> str:
     return "mhc.jax." + operation.name.split("_")[0]
 
 
-def _check_platform_lowering(ctx, x, *, operation: Operation, fallback: str):
+def _check_platform_lowering(ctx, x, *, operation: Operation, fallback: str, platform: str | None):
+    """The check for one lowering platform (None: one without a rule of its own, named from the
+    module's platforms): passes x through, warns, or raises."""
+    if platform is None:
+        platform = "/".join(p for p in ctx.module_context.platforms if p not in _NAMED_PLATFORMS)
     name = _public_name(operation)
     substitutes = _FALLBACKS.get(operation.name, ())
     own = frozenset(operation.targets) - {t for substitute in substitutes for t in substitute.targets}
-    for platform in ctx.module_context.platforms:
-        registered = registered_targets(platform)
-        if own <= registered:
-            continue
-        if substitutes and all(frozenset(s.targets) <= registered for s in substitutes):
-            what = f"{name}: no fused kernel for platform {platform!r}, so it runs as the separate post and pre kernels"
-            if fallback == "error":
-                raise NotImplementedError(
-                    f"{what}, which fallback='error' refuses. Pass fallback='allow' (or 'warn') to run them, "
-                    "or use_kernel=False for the plain JAX formulas."
-                )
-            if fallback == "warn" and (name, platform) not in _warned:
-                _warned.add((name, platform))
-                warnings.warn(
-                    f"{what} (same results; x_next goes through memory). Pass fallback='allow' to run this "
-                    "without the warning, or fallback='error' to raise instead. Warned once per process.",
-                    stacklevel=2,
-                )
-            continue
-        have = sorted(p for p in ("cpu", "cuda") if own <= registered_targets(p))
-        raise NotImplementedError(
-            f"{name}: mhc has no kernel for platform {platform!r} (its kernels run on: {', '.join(have)}). "
-            "Pass use_kernel=False to run the plain JAX formulas (mhc.jax.reference) instead."
-        )
-    return [x]
+    registered = registered_targets(platform)
+    if own <= registered:
+        return [x]
+    if substitutes and all(frozenset(s.targets) <= registered for s in substitutes):
+        what = f"{name}: no fused kernel for platform {platform!r}, so it runs as the separate post and pre kernels"
+        if fallback == "error":
+            raise NotImplementedError(
+                f"{what}, which fallback='error' refuses. Pass fallback='allow' (or 'warn') to run them, "
+                "or use_kernel=False for the plain JAX formulas."
+            )
+        if fallback == "warn" and (name, platform) not in _warned:
+            _warned.add((name, platform))
+            warnings.warn(
+                f"{what} (same results; x_next goes through memory). Pass fallback='allow' to run this "
+                "without the warning, or fallback='error' to raise instead. Warned once per process.",
+                stacklevel=2,
+            )
+        return [x]
+    if len(ctx.module_context.platforms) > 1:
+        # Lowered for several platforms at once (jax.export): the call may sit in the caller's
+        # platform_dependent branch for the others, which JAX still lowers for every platform;
+        # if it is reached on this one, XLA refuses the kernel's custom call when it compiles.
+        return [x]
+    have = sorted(p for p in ("cpu", "cuda") if own <= registered_targets(p))
+    raise NotImplementedError(
+        f"{name}: mhc has no kernel for platform {platform!r} (its kernels run on: {', '.join(have)}). "
+        "Pass use_kernel=False to run the plain JAX formulas (mhc.jax.reference) instead."
+    )
 
 
-# Identity on one operand; its lowering rule checks the platform (and warns or raises).
+# Identity on one operand; its lowering rule checks the platform (and warns or raises). One rule
+# per platform, so that JAX picks the platforms each use is lowered for (several when exporting
+# for several; only the CPU inside a host-offloaded computation).
+_NAMED_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 _check_platform_p = Primitive("mhc_check_platform")
 _check_platform_p.def_abstract_eval(lambda x, **_: x)
-mlir.register_lowering(_check_platform_p, _check_platform_lowering)
+mlir.register_lowering(_check_platform_p, functools.partial(_check_platform_lowering, platform=None))
+for _platform in _NAMED_PLATFORMS:
+    mlir.register_lowering(
+        _check_platform_p, functools.partial(_check_platform_lowering, platform=_platform), platform=_platform
+    )
 
 
 @functools.cache
