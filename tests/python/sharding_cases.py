@@ -556,12 +556,12 @@ if __name__ == "__main__":
     check_head(seed)
     check_sharded_parameters(seed)
     check_d_not_dividing(seed)
-    # Inside shard_map no partitioner runs: Shardy's run checks every layout in f32 and tokens+D
-    # in bf16; GSPMD's, tokens+D with shard_map's check_vma=False (no varying-axis types).
+    # Inside shard_map no partitioner runs: Shardy's run checks every layout in f32, tokens+D in
+    # bf16 and the errors; GSPMD's, tokens+D with shard_map's check_vma=False (no varying-axis types).
     if full:
         check_shard_map(jnp.float32, seed)
         check_shard_map(jnp.bfloat16, seed, layouts=("tokens+D",))
+        check_shard_map_errors()
     else:
         check_shard_map(jnp.float32, seed, layouts=("tokens+D",), check_vma=False)
-    check_shard_map_errors()
     check_flax_layer(seed)
