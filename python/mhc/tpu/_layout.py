@@ -1,0 +1,73 @@
+"""Block layout and VMEM plan shared by the TPU kernels.
+
+x [T, n, D] travels as [T, n*Dp] (Dp = D rounded up to the 128 lanes): tokens in the sublanes,
+the streams side by side in the lanes, each stream a lane-aligned slice. A stream axis of n = 4
+as the second-minor dimension of a block would pad to 8 (f32) or 16 (bf16) sublanes: 2-4x the
+VMEM and DMA bytes; this layout pads nothing but D.
+
+The pre kernel's per-token coefficient math runs with tokens in the lanes instead (a row of the
+logits per coefficient, the token tile across the lanes): the Sinkhorn steps are then whole-vreg
+operations and reductions over sublanes, not 1-lane slices. Each coefficient group (pre gates,
+post gates, one row of H_res per input stream) starts on a multiple of 8 rows, so every slice
+and store is sublane-aligned; the rows past n in a group are padding, masked out of the
+softmax and the sums.
+"""
+
+from __future__ import annotations
+
+import math
+
+LANES = 128
+SUBLANES = 8
+# Token tiles the wrappers choose from, largest first. Multiples of 128: the pre kernel's
+# coefficient outputs carry the tokens in the lanes.
+TOKEN_TILES = (512, 256, 128)
+# VMEM the plan may fill (the compiler gets VMEM_LIMIT, the rest is its own headroom). v5e and
+# v6e have 128 MiB of VMEM per core, v7x 64 MiB: 48 MiB fits all three.
+VMEM_BUDGET = 48 * 2**20
+VMEM_LIMIT = 64 * 2**20
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def padded_features(d: int) -> int:
+    """Dp: D rounded up to the lane width."""
+    return round_up(d, LANES)
+
+
+def group_rows(n: int) -> int:
+    """G: rows of one coefficient group (n rounded up to the sublanes)."""
+    return round_up(n, SUBLANES)
+
+
+def residual_rows(n: int, mix: str) -> int:
+    """Rows of the residual logits: n groups of G (Sinkhorn, row i of H_res per group) or the n!
+    permutation logits rounded up to the sublanes."""
+    return n * group_rows(n) if mix == "sinkhorn" else round_up(math.factorial(n), SUBLANES)
+
+
+def logit_rows(n: int, mix: str) -> int:
+    """Rows of the transposed, group-aligned projection: pre, post, residual."""
+    return 2 * group_rows(n) + residual_rows(n, mix)
+
+
+def coefficient_rows(n: int) -> int:
+    """Rows of the pre kernel's coefficient output: h_pre, h_post, then H_res row i at (2 + i) G."""
+    return (2 + n) * group_rows(n)
+
+
+def choose_token_tile(operation: str, per_token_bytes: int, fixed_bytes: int) -> int:
+    """The largest tile of TOKEN_TILES whose VMEM estimate fits VMEM_BUDGET; a clear error when
+    even the smallest does not (the kernels keep one token tile of every stream resident)."""
+    for tile in TOKEN_TILES:
+        if tile * per_token_bytes + fixed_bytes <= VMEM_BUDGET:
+            return tile
+    smallest = TOKEN_TILES[-1]
+    raise ValueError(
+        f"mhc.tpu.{operation}: a tile of {smallest} tokens needs about "
+        f"{(smallest * per_token_bytes + fixed_bytes) / 2**20:.1f} MiB of VMEM, over the "
+        f"{VMEM_BUDGET / 2**20:.0f} MiB budget: n * D is too large for the TPU kernels "
+        "(they keep every stream of a token tile in VMEM)"
+    )

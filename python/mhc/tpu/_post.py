@@ -1,0 +1,206 @@
+"""The post forward and backward as Pallas TPU kernels, one grid step per token tile (unverified on
+TPU hardware: checked in TPU interpret mode, by lowering to Mosaic and by compiling for v5e/v6e,
+never run on a chip).
+
+Layout as the pre kernel's x: [T, n Dp], tokens in the sublanes, each stream a lane-aligned
+slice; the coefficients [T, n] and [T, n n] with the tokens in the sublanes too, each one a
+1-lane column broadcast over the features.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mhc.jax._types import Config
+from mhc.tpu import _layout
+
+_F32 = jnp.float32
+
+
+def _stream(ref, k: int, padded: int):
+    return ref[:, k * padded : (k + 1) * padded].astype(_F32)
+
+
+def _forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, out_ref, *, n: int, padded: int):
+    layer_out = layer_out_ref[...].astype(_F32)
+    h_post, h_res = h_post_ref[...], h_res_ref[...]
+    streams = [_stream(x_ref, i, padded) for i in range(n)]
+    for j in range(n):
+        # out_j = sum_i H_res[i, j] x_i + H_post[j] layer_out (spec: Forward step 8).
+        out = h_post[:, j : j + 1] * layer_out
+        for i in range(n):
+            out += h_res[:, i * n + j : i * n + j + 1] * streams[i]
+        out_ref[:, j * padded : (j + 1) * padded] = out.astype(out_ref.dtype)
+
+
+def _columns(values, width: int):
+    """[(tile, 1)] * width -> (tile, width): column c from values[c], by lane selects (no lane
+    concatenation of 1-lane pieces)."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (values[0].shape[0], width), 1)
+    result = jnp.zeros((values[0].shape[0], width), _F32)
+    for c, value in enumerate(values):
+        result = jnp.where(lane == c, value, result)
+    return result
+
+
+def _backward_kernel(
+    g_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref, dx_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, *, n, padded
+):
+    layer_out = layer_out_ref[...].astype(_F32)
+    h_post, h_res = h_post_ref[...], h_res_ref[...]
+    g = [_stream(g_ref, j, padded) for j in range(n)]
+    # Spec, Backward (post); the per-token sums over D in f32 (the padded lanes are zero).
+    dlayer_out = h_post[:, 0:1] * g[0]
+    for j in range(1, n):
+        dlayer_out += h_post[:, j : j + 1] * g[j]
+    dlayer_out_ref[...] = dlayer_out.astype(dlayer_out_ref.dtype)
+    dh_post_ref[...] = _columns([jnp.sum(layer_out * g[j], axis=1, keepdims=True) for j in range(n)], n)
+    dh_res = []
+    for i in range(n):
+        x_i = _stream(x_ref, i, padded)
+        dh_res += [jnp.sum(x_i * g[j], axis=1, keepdims=True) for j in range(n)]
+        dx = h_res[:, i * n : i * n + 1] * g[0]
+        for j in range(1, n):
+            dx += h_res[:, i * n + j : i * n + j + 1] * g[j]
+        dx_ref[:, i * padded : (i + 1) * padded] = dx.astype(dx_ref.dtype)
+    dh_res_ref[...] = _columns(dh_res, n * n)
+
+
+def _tile(operation: str, n: int, padded: int, sizes: tuple[int, ...], temporaries: int) -> int:
+    """Token tile from the VMEM plan: every [T, n Dp] or [T, Dp] operand double-buffered (sizes:
+    bytes per token of each), plus `temporaries` f32 [tile, Dp] values."""
+    per_token = 2 * sum(sizes) + temporaries * padded * 4
+    return _layout.choose_token_tile(operation, per_token, 0)
+
+
+def _check(operation: str, config: Config, x, layer_out, h_post, h_res, tile):
+    t, n, d = x.shape
+    if n != config.n:
+        raise ValueError(f"mhc.tpu.{operation}: x: expected n = {config.n} streams (axis 1), got shape {x.shape}")
+    for name, value, shape in (
+        ("layer_out", layer_out, (t, d)),
+        ("h_post", h_post, (t, n)),
+        ("h_res", h_res, (t, n, n)),
+    ):
+        if value.shape != shape:
+            raise ValueError(f"mhc.tpu.{operation}: {name}: expected shape {shape}, got {value.shape}")
+    for name, value in (("x", x), ("layer_out", layer_out)):
+        if value.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"mhc.tpu.{operation}: {name}: expected float32 or bfloat16, got {value.dtype}")
+    if tile is not None and tile not in _layout.TOKEN_TILES:
+        raise ValueError(f"mhc.tpu.{operation}: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
+
+
+def _flat(a, padded: int):
+    """[T, n, D] -> [T, n Dp] or [T, D] -> [T, Dp], the features zero-padded."""
+    pad = [(0, 0)] * (a.ndim - 1) + [(0, padded - a.shape[-1])]
+    return jnp.pad(a, pad).reshape(a.shape[0], -1)
+
+
+def _compiler_params():
+    return pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=_layout.VMEM_LIMIT)
+
+
+def forward_tile(config: Config, d: int, dtype, layer_out_dtype) -> int:
+    padded = _layout.padded_features(d)
+    size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
+    sizes = (config.n * padded * size, padded * lo_size, config.n * padded * size)
+    return _tile("post_forward", config.n, padded, sizes, config.n + 2)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def post_forward(config: Config, x, layer_out, h_post, h_res, *, tile: int | None = None, interpret=None):
+    """out [T, n, D] (x's dtype) = H_res^T x + H_post layer_out, per token: the contract of mhc.jax's
+    post_forward kernel. `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    _check("post_forward", config, x, layer_out, h_post, h_res, tile)
+    t, n, d = x.shape
+    if t == 0:
+        return jnp.zeros(x.shape, x.dtype)
+    tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype)
+    padded = _layout.padded_features(d)
+    rows = lambda i: (i, 0)  # noqa: E731
+    size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
+    out = pl.pallas_call(
+        functools.partial(_forward_kernel, n=n, padded=padded),
+        grid=(pl.cdiv(t, tile),),
+        in_specs=[
+            pl.BlockSpec((tile, n * padded), rows),
+            pl.BlockSpec((tile, padded), rows),
+            pl.BlockSpec((tile, n), rows),
+            pl.BlockSpec((tile, n * n), rows),
+        ],
+        out_specs=pl.BlockSpec((tile, n * padded), rows),
+        out_shape=jax.ShapeDtypeStruct((t, n * padded), x.dtype),
+        compiler_params=_compiler_params(),
+        cost_estimate=pl.CostEstimate(
+            flops=int(2 * t * n * (n + 1) * padded),
+            transcendentals=0,
+            bytes_accessed=int(t * padded * (2 * n * size + lo_size) + t * (n + n * n) * 4),
+        ),
+        interpret=interpret if interpret is not None else False,
+    )(_flat(x, padded), _flat(layer_out, padded), h_post, h_res.reshape(t, n * n))
+    return out.reshape(t, n, padded)[:, :, :d]
+
+
+def backward_tile(config: Config, d: int, dtype, layer_out_dtype) -> int:
+    padded = _layout.padded_features(d)
+    size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
+    sizes = (
+        config.n * padded * size,
+        config.n * padded * size,
+        padded * lo_size,
+        config.n * padded * size,
+        padded * lo_size,
+    )
+    return _tile("post_backward", config.n, padded, sizes, config.n + 3)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int | None = None, interpret=None):
+    """(dx_partial [T, n, D] x's dtype, dlayer_out [T, D] layer_out's dtype, dh_post [T, n] f32,
+    dh_res [T, n, n] f32) for the cotangent g of out: the contract of mhc.jax's post_backward
+    kernel. `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    _check("post_backward", config, x, layer_out, h_post, h_res, tile)
+    if g.shape != x.shape or g.dtype != x.dtype:
+        raise ValueError(
+            f"mhc.tpu.post_backward: g: expected x's shape and dtype {x.shape} {x.dtype}, got {g.shape} {g.dtype}"
+        )
+    t, n, d = x.shape
+    if t == 0:
+        return (
+            jnp.zeros(x.shape, x.dtype),
+            jnp.zeros(layer_out.shape, layer_out.dtype),
+            jnp.zeros((0, n), _F32),
+            jnp.zeros((0, n, n), _F32),
+        )
+    tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype)
+    padded = _layout.padded_features(d)
+    rows = lambda i: (i, 0)  # noqa: E731
+    size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
+    streams = pl.BlockSpec((tile, n * padded), rows)
+    features = pl.BlockSpec((tile, padded), rows)
+    dx, dlayer_out, dh_post, dh_res = pl.pallas_call(
+        functools.partial(_backward_kernel, n=n, padded=padded),
+        grid=(pl.cdiv(t, tile),),
+        in_specs=[streams, streams, features, pl.BlockSpec((tile, n), rows), pl.BlockSpec((tile, n * n), rows)],
+        out_specs=[streams, features, pl.BlockSpec((tile, n), rows), pl.BlockSpec((tile, n * n), rows)],
+        out_shape=[
+            jax.ShapeDtypeStruct((t, n * padded), x.dtype),
+            jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
+            jax.ShapeDtypeStruct((t, n), _F32),
+            jax.ShapeDtypeStruct((t, n * n), _F32),
+        ],
+        compiler_params=_compiler_params(),
+        cost_estimate=pl.CostEstimate(
+            flops=int(4 * t * n * (n + 1) * padded),
+            transcendentals=0,
+            bytes_accessed=int(t * padded * (3 * n * size + 2 * lo_size) + 2 * t * (n + n * n) * 4),
+        ),
+        interpret=interpret if interpret is not None else False,
+    )(_flat(g, padded), _flat(x, padded), _flat(layer_out, padded), h_post, h_res.reshape(t, n * n))
+    return dx.reshape(t, n, padded)[:, :, :d], dlayer_out[:, :d], dh_post, dh_res.reshape(t, n, n)

@@ -1,0 +1,212 @@
+"""The pre forward as one Pallas TPU kernel per token tile (unverified on TPU hardware: checked in
+TPU interpret mode, by lowering to Mosaic and by compiling for v5e/v6e, never run on a chip).
+
+Per tile, x is read from HBM once: the projection and the sum of squares stream over it one
+stream at a time (the MXU, full f32 precision), the coefficients follow with the tokens in the
+lanes (spec: Forward steps 1-5), and the pre-apply re-reads the tile from VMEM.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mhc.jax._types import Config, Params
+from mhc.tpu import _layout
+
+_F32 = jnp.float32
+# The projection and the sum of squares at full f32 accuracy on the MXU (spec: Precision
+# policy): by default the MXU multiplies f32 operands in one bf16 pass.
+_HIGHEST = jax.lax.Precision.HIGHEST
+# a (rows, K) times b (cols, K) -> (rows, cols): contracts the lanes of both, so the tokens of the
+# x tile (its sublanes) come out in the lanes.
+_CONTRACT_LANES = (((1,), (1,)), ((), ()))
+
+
+def _permutation_table(n: int) -> np.ndarray:
+    """[n G, Rp] f32: row i G + j, column p is 1 where the p-th permutation (lexicographic) maps i
+    to j, so table @ w gives H_res row i at rows i G .. i G + n (spec: Forward step 5)."""
+    g = _layout.group_rows(n)
+    table = np.zeros((n * g, _layout.residual_rows(n, "permutations")), np.float32)
+    for p, perm in enumerate(itertools.permutations(range(n))):
+        table[np.arange(n) * g + np.asarray(perm), p] = 1.0
+    return table
+
+
+def _masked_softmax(logits, valid):
+    """Softmax over the sublanes (axis 0) of the valid rows; 0 in the others."""
+    logits = jnp.where(valid, logits, -jnp.inf)
+    e = jnp.exp(logits - jnp.max(logits, axis=0, keepdims=True))
+    return e / jnp.sum(e, axis=0, keepdims=True)
+
+
+def _sinkhorn(config: Config, logits, g: int):
+    """H_res rows [(G, tile)] * n from the residual logits (n G, tile); row i of H_res has its
+    output stream j in the sublanes. Finite iteration exactly as the spec's step 5."""
+    n, eps = config.n, config.sinkhorn_eps
+    valid = jax.lax.broadcasted_iota(jnp.int32, (g, logits.shape[1]), 0) < n
+    rows = [jnp.where(valid, _masked_softmax(logits[i * g : (i + 1) * g], valid) + eps, 0.0) for i in range(n)]
+
+    def over_columns(rows):
+        column_sums = functools.reduce(jnp.add, rows)
+        return [row / (column_sums + eps) for row in rows]
+
+    def over_rows(rows):
+        return [row / (jnp.sum(row, axis=0, keepdims=True) + eps) for row in rows]
+
+    rows = over_columns(rows)
+    rows = jax.lax.fori_loop(0, config.sinkhorn_iters - 1, lambda _, rows: over_columns(over_rows(rows)), rows)
+    return rows
+
+
+def _kernel(*refs, config: Config, features: int, padded: int, dtype):
+    if config.mix == "permutations":
+        x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref = refs
+    else:
+        x_ref, weight_ref, scale_ref, bias_ref, layer_in_ref, coefficients_ref = refs
+    n, g = config.n, _layout.group_rows(config.n)
+    tile = x_ref.shape[0]
+    logits = jnp.zeros((weight_ref.shape[0], tile), _F32)
+    squares = jnp.zeros((_layout.SUBLANES, tile), _F32)
+    ones = jnp.ones((_layout.SUBLANES, padded), _F32)
+    for k in range(n):
+        stream = x_ref[:, k * padded : (k + 1) * padded].astype(_F32)
+        weight = weight_ref[:, k * padded : (k + 1) * padded]
+        logits += jax.lax.dot_general(weight, stream, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
+        squares += jax.lax.dot_general(
+            ones, stream * stream, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
+        )
+    # Step 1 (the padded lanes are zero and add nothing; the mean is over the true n D).
+    r = jax.lax.rsqrt(squares[0:1] / (n * features) + config.rms_eps)
+    # Steps 2-3: Z = r P, a = alpha Z + bias (per row: its group's alpha).
+    a = scale_ref[...] * (r * logits) + bias_ref[...]
+    # Step 4.
+    h_pre = 1.0 / (1.0 + jnp.exp(-a[0:g])) + config.pre_eps
+    h_post = config.post_scale / (1.0 + jnp.exp(-a[g : 2 * g]))
+    # Step 5.
+    if config.mix == "sinkhorn":
+        h_res = jnp.concatenate(_sinkhorn(config, a[2 * g :], g), axis=0)
+    else:
+        permutations = math.factorial(n)
+        valid = jax.lax.broadcasted_iota(jnp.int32, (a.shape[0] - 2 * g, tile), 0) < permutations
+        weights = _masked_softmax(a[2 * g :], valid)
+        h_res = jax.lax.dot_general(
+            table_ref[...], weights, (((1,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=_F32
+        )
+    coefficients_ref[...] = jnp.concatenate([h_pre, h_post, h_res], axis=0)
+    # Step 6, from the tile in VMEM: the gates with the tokens back in the sublanes.
+    gates = h_pre.T
+    layer_in = gates[:, 0:1] * x_ref[:, 0:padded].astype(_F32)
+    for k in range(1, n):
+        layer_in += gates[:, k : k + 1] * x_ref[:, k * padded : (k + 1) * padded].astype(_F32)
+    layer_in_ref[...] = layer_in.astype(dtype)
+
+
+def _transposed_weight(config: Config, params: Params, features: int, padded: int):
+    """(norm_weight * phi)^T as [rows, n Dp]: each coefficient group on its own multiple of 8
+    rows, the padded features zero. Also the per-row alpha and bias columns [rows, 1]."""
+    n, g, width = config.n, _layout.group_rows(config.n), config.projection_width
+    folded = (params.norm_weight[:, None] * params.phi).reshape(n, features, width)
+    folded = jnp.pad(folded, ((0, 0), (0, padded - features), (0, 0))).reshape(n * padded, width)
+    rows = _layout.logit_rows(n, config.mix)
+    # Destination row of each projection column: pre k -> k, post k -> G + k, residual (i, j) ->
+    # (2 + i) G + j (Sinkhorn) or p -> 2 G + p (permutations).
+    if config.mix == "sinkhorn":
+        residual = [(2 + i) * g + j for i in range(n) for j in range(n)]
+    else:
+        residual = [2 * g + p for p in range(config.residual_logits)]
+    destination = np.asarray(list(range(n)) + [g + k for k in range(n)] + residual)
+    weight = jnp.zeros((rows, n * padded), _F32).at[destination].set(folded.T)
+    group_alpha = jnp.concatenate(
+        [jnp.full((n,), params.alpha[0]), jnp.full((n,), params.alpha[1]), jnp.full((width - 2 * n,), params.alpha[2])]
+    )
+    scale = jnp.zeros((rows, 1), _F32).at[destination, 0].set(group_alpha)
+    bias = jnp.zeros((rows, 1), _F32).at[destination, 0].set(params.bias)
+    return weight, scale, bias
+
+
+def token_tile(config: Config, d: int, dtype) -> int:
+    """The token tile pre_forward chooses for x [T, n, d] of dtype (from the VMEM plan)."""
+    padded = _layout.padded_features(d)
+    size = jnp.dtype(dtype).itemsize
+    rows = _layout.logit_rows(config.n, config.mix)
+    # Double-buffered x and layer_in tiles, three f32 temporaries of one stream, the logits and
+    # the coefficient output (double-buffered); the weight, double-buffered, is fixed.
+    per_token = 2 * config.n * padded * size + 2 * padded * size + 3 * padded * 4 + 4 * rows * 4
+    fixed = 2 * rows * config.n * padded * 4
+    return _layout.choose_token_tile("pre_forward", per_token, fixed)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, interpret=None):
+    """(layer_in [T, D] in x's dtype, h_pre [T, n], h_post [T, n], h_res [T, n, n] f32) for
+    x [T, n, D] f32 or bf16 and Params in the kernels' layout (norm_weight [n D], phi [n D, N]):
+    the contract of mhc.jax's pre_forward kernel. `tile`: the token tile (one of
+    mhc.tpu.TOKEN_TILES; default from the VMEM plan). `interpret`: pltpu.InterpretParams to run
+    in the TPU interpreter."""
+    t, n, d = x.shape
+    if n != config.n:
+        raise ValueError(f"mhc.tpu.pre_forward: x: expected n = {config.n} streams (axis 1), got shape {x.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"mhc.tpu.pre_forward: x: expected float32 or bfloat16, got {x.dtype}")
+    if tile is None:
+        tile = token_tile(config, d, x.dtype)
+    elif tile not in _layout.TOKEN_TILES:
+        raise ValueError(f"mhc.tpu.pre_forward: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
+    g = _layout.group_rows(n)
+    if t == 0:
+        return (
+            jnp.zeros((0, d), x.dtype),
+            jnp.zeros((0, n), _F32),
+            jnp.zeros((0, n), _F32),
+            jnp.zeros((0, n, n), _F32),
+        )
+    padded = _layout.padded_features(d)
+    weight, scale, bias = _transposed_weight(config, params, d, padded)
+    flat = jnp.pad(x, ((0, 0), (0, 0), (0, padded - d))).reshape(t, n * padded)
+    rows, coefficient_rows = weight.shape[0], _layout.coefficient_rows(n)
+    whole = lambda i: (0, 0)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((tile, n * padded), lambda i: (i, 0)),
+        pl.BlockSpec((rows, n * padded), whole),
+        pl.BlockSpec((rows, 1), whole),
+        pl.BlockSpec((rows, 1), whole),
+    ]
+    operands = [flat, weight, scale, bias]
+    if config.mix == "permutations":
+        table = jnp.asarray(_permutation_table(n))
+        in_specs.append(pl.BlockSpec(table.shape, whole))
+        operands.append(table)
+    size = x.dtype.itemsize
+    iterations = config.sinkhorn_iters if config.mix == "sinkhorn" else 0
+    cost = pl.CostEstimate(
+        flops=int(t * (2 * n * padded * (rows + _layout.SUBLANES + 1) + 6 * iterations * n * g)),
+        transcendentals=int(t * (rows + 1)),
+        bytes_accessed=int(t * (n + 1) * padded * size + t * coefficient_rows * 4 + rows * (n * padded + 2) * 4),
+    )
+    layer_in, coefficients = pl.pallas_call(
+        functools.partial(_kernel, config=config, features=d, padded=padded, dtype=x.dtype),
+        grid=(pl.cdiv(t, tile),),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((tile, padded), lambda i: (i, 0)),
+            pl.BlockSpec((coefficient_rows, tile), lambda i: (0, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((t, padded), x.dtype),
+            jax.ShapeDtypeStruct((coefficient_rows, t), _F32),
+        ],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=_layout.VMEM_LIMIT),
+        cost_estimate=cost,
+        interpret=interpret if interpret is not None else False,
+    )(*operands)
+    coefficients = coefficients.reshape(2 + n, g, t)[:, :n]  # [2 + n, n, T]
+    h_res = jnp.transpose(coefficients[2:], (2, 0, 1))
+    return layer_in[:, :d], coefficients[0].T, coefficients[1].T, h_res

@@ -1,0 +1,234 @@
+"""The Pallas TPU kernels (mhc.tpu), checked without a TPU (docs/tpu.md): run in TPU interpret mode
+with race detection against the float64 reference (numpy_reference), lowered to Mosaic for every
+token tile the wrappers can choose, and the projection's MXU precision read back from the lowered
+Mosaic module. Compiling for real chips is slow and lives outside this file (make tpu-compile).
+
+Interpret mode costs ~50 ms per grid step and 1-3 s of tracing per shape: the cases are a sample
+of the CPU suite's families (n in {1, 3, 4, 8}, D in {1, 130}, T in {0, 1, 37, 300}, both mixes,
+f32 and bf16, non-default config scalars), each with a ragged last token tile.
+"""
+
+import base64
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+from jax.experimental.pallas import tpu as pltpu
+
+import mhc.jax as mj
+import mhc.tpu
+import numpy_reference
+from conftest import assert_matches, random_numpy_params, round_by_one_unit
+
+# Two simulated cores share the "parallel" token grid, so a race between them is detected; memory
+# read before it is written holds NaN, and an out-of-bounds access raises.
+INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)
+TILE = 128  # the smallest tile: T = 300 is three grid steps with a ragged last one
+CUSTOM = dict(sinkhorn_iters=7, sinkhorn_eps=1e-4, rms_eps=1e-3, pre_eps=0.1, post_scale=1.5)
+
+# (n, D, T, mix, dtype, config scalars): a sample of the product.
+PRE_CASES = [
+    (4, 130, 300, "sinkhorn", jnp.float32, {}),
+    (3, 1, 37, "permutations", jnp.bfloat16, {}),
+    (1, 130, 1, "sinkhorn", jnp.bfloat16, {}),
+    (4, 1, 37, "permutations", jnp.float32, CUSTOM),
+    (8, 1, 37, "sinkhorn", jnp.float32, CUSTOM),
+    (3, 130, 0, "sinkhorn", jnp.float32, {}),
+]
+POST_CASES = [
+    (4, 130, 300, jnp.float32),
+    (3, 1, 37, jnp.bfloat16),
+    (1, 130, 1, jnp.float32),
+    (8, 1, 37, jnp.bfloat16),
+    (4, 130, 0, jnp.float32),
+]
+
+
+def _tolerance(dtype) -> float:
+    """The spec's bound for a tensor of this dtype (spec: Accuracy)."""
+    return 1e-2 if dtype == jnp.bfloat16 else 1e-5
+
+
+def _no_races():
+    state = interpret_pallas_call.races
+    assert state is None or not state.races_found, "the TPU interpreter found a race (printed above)"
+
+
+def _case_id(case):
+    return "-".join(
+        str(getattr(v, "__name__", v)) if not isinstance(v, dict) else ("custom" if v else "default") for v in case
+    )
+
+
+@pytest.mark.parametrize("case", PRE_CASES, ids=_case_id)
+def test_pre_forward_matches_reference(seed, case):
+    n, d, t, mix, dtype, scalars = case
+    config = mj.Config(n=n, mix=mix, **scalars)
+    rng = np.random.default_rng(seed)
+    params = random_numpy_params(rng, config, d)
+    x = jnp.asarray(rng.standard_normal((t, n, d)), dtype)
+    got = mhc.tpu.pre_forward(config, x, params, tile=TILE, interpret=INTERPRET)
+    _no_races()
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+
+    def oracle(x, params, noise=None):
+        f = numpy_reference._forward(x, np.zeros((t, d)), params, config, noise)
+        return f["layer_in"], f["h_pre"], f["h_post"], f["h_res"]
+
+    want = oracle(x64, params)
+    for index, (name, value) in enumerate(zip(("layer_in", "h_pre", "h_post", "h_res"), got, strict=True)):
+        expected_shape = want[index].shape
+        assert value.shape == expected_shape, f"{name}: shape {value.shape}, expected {expected_shape}"
+        assert value.dtype == (dtype if name == "layer_in" else jnp.float32), f"{name}: dtype {value.dtype}"
+        assert_matches(
+            name,
+            value,
+            want[index],
+            _tolerance(value.dtype),
+            lambda rng, i=index: oracle(round_by_one_unit(rng, x64), round_by_one_unit(rng, params), rng)[i],
+            f"(seed {seed})",
+        )
+
+
+def _post_problem(rng, n, d, t, dtype):
+    x = jnp.asarray(rng.standard_normal((t, n, d)), dtype)
+    layer_out = jnp.asarray(rng.standard_normal((t, d)), dtype)
+    g = jnp.asarray(rng.standard_normal((t, n, d)), dtype)
+    # Coefficients as pre gives them: positive gates, a column-stochastic mix.
+    h_post = jnp.asarray(2.0 * rng.uniform(size=(t, n)), jnp.float32)
+    h_res = rng.uniform(size=(t, n, n))
+    h_res = jnp.asarray(h_res / h_res.sum(axis=1, keepdims=True), jnp.float32)
+    return x, layer_out, g, h_post, h_res
+
+
+def _post_oracle(x, layer_out, g, h_post, h_res):
+    """out and the post backward (spec: Forward step 8, Backward: Post) in float64."""
+    x, layer_out, g, h_post, h_res = (
+        np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, layer_out, g, h_post, h_res)
+    )
+    out = np.einsum("tij,tid->tjd", h_res, x) + h_post[:, :, None] * layer_out[:, None, :]
+    dx = np.einsum("tij,tjd->tid", h_res, g)
+    dlayer_out = np.einsum("tj,tjd->td", h_post, g)
+    dh_post = np.einsum("td,tjd->tj", layer_out, g)
+    dh_res = np.einsum("tid,tjd->tij", x, g)
+    return out, dx, dlayer_out, dh_post, dh_res
+
+
+@pytest.mark.parametrize("case", POST_CASES, ids=_case_id)
+def test_post_forward_and_backward_match_reference(seed, case):
+    n, d, t, dtype = case
+    config = mj.Config(n=n)
+    rng = np.random.default_rng(seed)
+    x, layer_out, g, h_post, h_res = _post_problem(rng, n, d, t, dtype)
+    out = mhc.tpu.post_forward(config, x, layer_out, h_post, h_res, tile=TILE, interpret=INTERPRET)
+    _no_races()
+    backward = mhc.tpu.post_backward(config, g, x, layer_out, h_post, h_res, tile=TILE, interpret=INTERPRET)
+    _no_races()
+    names = ("out", "dx_partial", "dlayer_out", "dh_post", "dh_res")
+    dtypes = (dtype, dtype, dtype, jnp.float32, jnp.float32)
+    want = _post_oracle(x, layer_out, g, h_post, h_res)
+    for index, (name, value) in enumerate(zip(names, (out, *backward), strict=True)):
+        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
+        assert value.dtype == dtypes[index], f"{name}: dtype {value.dtype}"
+        assert_matches(
+            name,
+            value,
+            want[index],
+            _tolerance(value.dtype),
+            lambda rng, i=index: _post_oracle(*(round_by_one_unit(rng, a) for a in (x, layer_out, g, h_post, h_res)))[
+                i
+            ],
+            f"(seed {seed})",
+        )
+
+
+def _export(function, *args):
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
+    return jax.export.export(jax.jit(function), platforms=["tpu"])(*shapes).mlir_module()
+
+
+def _mosaic_modules(module_text: str) -> list[str]:
+    """The Mosaic kernels of an exported module, as text (each tpu_custom_call carries its kernel
+    as serialized MLIR bytecode in its backend config)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+
+    kernels = []
+    for body in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", module_text):
+        context = mlir.make_ir_context()
+        tpu.register_dialect(context)
+        with context, ir.Location.unknown():
+            context.allow_unregistered_dialects = True
+            module = ir.Module.parse(base64.b64decode(body))
+            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+            kernels.append(str(module))
+    return kernels
+
+
+@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
+def test_projection_dots_carry_full_f32_precision(mix):
+    """Every matmul of the pre kernel (projection, sum of squares, permutation table) asks the MXU
+    for fp32 contraction precision: the interpreter computes in f32 whatever was asked."""
+    config = mj.Config(n=3, mix=mix)
+    params = random_numpy_params(np.random.default_rng(0), config, 130)
+    x = jnp.zeros((37, 3, 130), jnp.bfloat16)
+    kernels = _mosaic_modules(_export(lambda x, p: mhc.tpu.pre_forward(config, x, p), x, params))
+    assert len(kernels) == 1
+    matmuls = [line for line in kernels[0].splitlines() if "tpu.matmul" in line]
+    # Per stream the projection and the sum of squares; the permutation table's product.
+    assert len(matmuls) == 2 * config.n + (mix == "permutations"), matmuls
+    for line in matmuls:
+        assert "precision = #tpu.contract_precision<fp32>" in line, line
+
+
+@pytest.mark.parametrize("tile", mhc.tpu.TOKEN_TILES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_tile_lowers_for_tpu(tile, dtype):
+    """Every token tile the wrappers can choose passes the Pallas -> Mosaic lowering (block shapes
+    the TPU can tile), for each kernel and mix, at a D that pads and a T that is ragged."""
+    n, d, t = 4, 130, 300
+    rng = np.random.default_rng(0)
+    for mix in ("sinkhorn", "permutations"):
+        config = mj.Config(n=n, mix=mix)
+        params = random_numpy_params(rng, config, d)
+        x = jnp.zeros((t, n, d), dtype)
+        assert "tpu_custom_call" in _export(lambda x, p, c=config: mhc.tpu.pre_forward(c, x, p, tile=tile), x, params)
+    x, layer_out, g, h_post, h_res = _post_problem(rng, n, d, t, dtype)
+    post = lambda *a: mhc.tpu.post_forward(config, *a, tile=tile)  # noqa: E731
+    assert "tpu_custom_call" in _export(post, x, layer_out, h_post, h_res)
+    post_backward = lambda *a: mhc.tpu.post_backward(config, *a, tile=tile)  # noqa: E731
+    assert "tpu_custom_call" in _export(post_backward, g, x, layer_out, h_post, h_res)
+
+
+def test_default_tiles_follow_the_vmem_plan():
+    """Small problems get the largest tile; a token of every stream too large for the budget is a
+    clear error, not a kernel that fails to compile."""
+    config = mj.Config(n=4)
+    assert mhc.tpu._pre.token_tile(config, 130, jnp.float32) == mhc.tpu.TOKEN_TILES[0]
+    assert mhc.tpu._pre.token_tile(config, 2048, jnp.bfloat16) in mhc.tpu.TOKEN_TILES
+    with pytest.raises(ValueError, match=r"mhc.tpu.pre_forward: .*VMEM.*n \* D is too large"):
+        mhc.tpu._pre.token_tile(mj.Config(n=8), 65536, jnp.float32)
+
+
+def test_bad_arguments_are_named():
+    config = mj.Config(n=4)
+    params = random_numpy_params(np.random.default_rng(0), config, 8)
+    x = jnp.zeros((5, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"x: expected n = 4"):
+        mhc.tpu.pre_forward(config, jnp.zeros((5, 3, 8)), params)
+    with pytest.raises(ValueError, match=r"x: expected float32 or bfloat16"):
+        mhc.tpu.pre_forward(config, x.astype(jnp.float16), params)
+    with pytest.raises(ValueError, match=r"tile: expected one of"):
+        mhc.tpu.pre_forward(config, x, params, tile=100)
+    h_post, h_res = jnp.zeros((5, 4)), jnp.zeros((5, 4, 4))
+    with pytest.raises(ValueError, match=r"layer_out: expected shape \(5, 8\)"):
+        mhc.tpu.post_forward(config, x, jnp.zeros((5, 9)), h_post, h_res)
+    with pytest.raises(ValueError, match=r"h_res: expected shape \(5, 4, 4\)"):
+        mhc.tpu.post_forward(config, x, jnp.zeros((5, 8)), h_post, jnp.zeros((5, 16)))
+    with pytest.raises(ValueError, match=r"g: expected x's shape and dtype"):
+        mhc.tpu.post_backward(config, x.astype(jnp.bfloat16), x, jnp.zeros((5, 8)), h_post, h_res)
