@@ -94,11 +94,13 @@ MHC_API HeadBackward head_backward(const Config& config, const Vec& dout, const 
 // Rounding noise for the tests' condition estimate (tests/cpp/test_util.h, expect_matches). While
 // one is alive on the calling thread, every function above multiplies each intermediate that the
 // kernels round to f32 and then reuse by (1 + u), u uniform in [-unit, unit], drawn from `seed`:
-// per token the RMS factor r, the projection P, the logits a and the coefficients H_pre, H_post,
-// H_res (the head: r, p, a and the sigmoids), and the boundary's x_next. Moving the inputs alone
-// cannot show an error that comes from rounding these where a later difference cancels: the RMS
-// backward's dx is two terms that both carry r and P (with one value per token they cancel to
-// rms_eps r^2 of either), layer_in of one feature is a sum of n terms h_pre_k x_k. Not for use
+// per token the RMS factor r, the projection P, the logits a, the coefficients H_pre, H_post,
+// H_res and, in the backward, the gradients of a, P and r and the dx through the projection (the
+// head: r, p, a, the sigmoids and the gradients of a, p and r); the boundary's x_next. Moving the
+// inputs alone cannot show an error that comes from rounding these where a later sum cancels:
+// the RMS backward's dx is two terms that both carry r and P (with one value per token they
+// cancel to rms_eps r^2 of either), layer_in of one feature is n terms h_pre_k x_k, and the
+// kernels sum dnorm_weight over tokens per column of P before the columns cancel. Not for use
 // across threads; scopes do not nest.
 class MHC_API RoundingNoise {
  public:

@@ -282,6 +282,7 @@ PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& 
     }
     const Vec dres = mix_matrix_backward(config, tc.a.data() + 2 * n, dh_res.data() + t * n * n);
     for (int64_t c = 2 * n; c < N; ++c) da[c] = dres[c - 2 * n];
+    for (double& gradient : da) gradient = rounded(gradient);
 
     // Scales, biases, then back through Z = r P.
     Vec dP(static_cast<size_t>(N));
@@ -291,9 +292,10 @@ PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& 
       out.grads.bias[c] += da[c];
       out.grads.alpha[group] += da[c] * tc.Z[c];
       const double dZ = params.alpha[group] * da[c];
-      dP[c] = tc.r * dZ;
+      dP[c] = rounded(tc.r * dZ);
       dr += dZ * tc.P[c];
     }
+    dr = rounded(dr);
 
     // Projection and the RMS statistic.
     for (int64_t m = 0; m < M; ++m) {
@@ -304,7 +306,7 @@ PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& 
         through_projection += dP[c] * params.norm_weight[m] * params.phi[m * N + c];
       }
       out.dx[t * M + m] +=
-          through_projection - dr * tc.r * tc.r * tc.r * xt[m] / static_cast<double>(M);
+          rounded(through_projection) - dr * tc.r * tc.r * tc.r * xt[m] / static_cast<double>(M);
     }
   }
   return out;
@@ -392,16 +394,17 @@ HeadBackward head_backward(const Config& config, const Vec& dout, const Vec& x,
         dgate += g[d] * xt[k * D + d];
         dxt[k * D + d] += (token.s[k] + config.pre_eps) * g[d];
       }
-      const double da = dgate * token.s[k] * (1.0 - token.s[k]);
+      const double da = rounded(dgate * token.s[k] * (1.0 - token.s[k]));
       result.grads.base[k] += da;
       result.grads.scale[0] += da * token.r * token.p[k];
       dr += da * scale * token.p[k];
-      const double dp = da * scale * token.r;
+      const double dp = rounded(da * scale * token.r);
       for (int64_t m = 0; m < M; ++m) {
         dxt[m] += dp * params.fn[k * M + m];
         result.grads.fn[k * M + m] += dp * xt[m];
       }
     }
+    dr = rounded(dr);
     const double r3 = token.r * token.r * token.r;
     for (int64_t m = 0; m < M; ++m) dxt[m] -= dr * r3 * xt[m] / static_cast<double>(M);
   }

@@ -43,7 +43,8 @@ def _rounded(value, noise):
 def _forward(x, layer_out, params, config, noise=None):
     """Every intermediate the backward needs, for tokens flattened to [T, ...]. With `noise`, r, the
     projection P, the logits a and the coefficients carry one f32 unit of random rounding
-    (_rounded), as reference::RoundingNoise does in C++."""
+    (_rounded), as reference::RoundingNoise does in C++ (backward: the gradients of a, P and r and
+    the dx through the projection too)."""
     nw, phi, alpha, bias = (np.asarray(p, np.float64) for p in params)
     n, d = x.shape[-2:]
     x3 = np.asarray(x, np.float64).reshape(-1, n, d)
@@ -135,16 +136,16 @@ def backward(x, layer_out, params, config, dlayer_in, dout, noise=None):
         w = f["soft"]
         dw = np.einsum("tij,pij->tp", dh_res, permutation_matrices(n))
         da_res = w * (dw - (w * dw).sum(axis=1, keepdims=True))
-    da = np.concatenate([da_pre, da_post, da_res], axis=1)
+    da = _rounded(np.concatenate([da_pre, da_post, da_res], axis=1), noise)
     # Scales, biases, then back through Z = r P and the RMS statistic.
     dbias = da.sum(axis=0)
     groups = [slice(0, n), slice(n, 2 * n), slice(2 * n, None)]
     dalpha = np.array([np.sum(da[:, s] * f["z"][:, s]) for s in groups])
     dz = f["scale"] * da
-    dp = r[:, None] * dz
-    dr = np.sum(dz * f["projection"], axis=1)
+    dp = _rounded(r[:, None] * dz, noise)
+    dr = _rounded(np.sum(dz * f["projection"], axis=1), noise)
     dphi = (xf * nw).T @ dp
-    through_projection = dp @ phi.T  # [T, M]
+    through_projection = _rounded(dp @ phi.T, noise)  # [T, M]
     dnorm_weight = np.sum(xf * through_projection, axis=0)
     dxf = dx3.reshape(xf.shape) + through_projection * nw - (dr * r**3)[:, None] * xf / xf.shape[1]
     dparams = (
@@ -165,7 +166,8 @@ def values(x, layer_out, params, config, dlayer_in, dout, noise=None):
 
 def head_values(x, head, config, dout, noise=None):
     """DeepSeek-V4's head (spec: Head) and its VJP at dout: (out [..., D], dx, dfn, dbase, dscale),
-    float64. head = (fn [n, M], base [n], scale [1]). `noise`: r, p, a and the sigmoids as in _forward."""
+    float64. head = (fn [n, M], base [n], scale [1]). `noise`: r, p, a, the sigmoids and the
+    gradients of a, p and r, as in _forward."""
     fn, base, scale = (np.asarray(p, np.float64) for p in head)
     n, d = x.shape[-2:]
     x3 = np.asarray(x, np.float64).reshape(-1, n, d)
@@ -176,9 +178,9 @@ def head_values(x, head, config, dout, noise=None):
     s = _rounded(_sigmoid(_rounded(scale[0] * r[:, None] * p + base, noise)), noise)
     out = np.einsum("tk,tkd->td", s + config.pre_eps, x3)
     # Backward through out = sum_k gate_k x_k, gate = sigmoid(a) + pre_eps, a = scale r p + base.
-    da = np.einsum("td,tkd->tk", g, x3) * s * (1.0 - s)
-    dr = (da * scale[0] * p).sum(axis=1)
-    dp = da * scale[0] * r[:, None]
+    da = _rounded(np.einsum("td,tkd->tk", g, x3) * s * (1.0 - s), noise)
+    dr = _rounded((da * scale[0] * p).sum(axis=1), noise)
+    dp = _rounded(da * scale[0] * r[:, None], noise)
     dx = (s + config.pre_eps)[:, :, None] * g[:, None, :]
     dx = dx.reshape(len(x3), n * d) + dp @ fn - (dr * r**3 / (n * d))[:, None] * xf
     dfn = dp.T @ xf
