@@ -6,7 +6,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
 .PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
-	example consumer clean
+	example consumer clean tpu-compile
 
 # Debian packages (scripts/setup.sh installs only what is missing).
 setup:
@@ -78,6 +78,12 @@ bench: python
 # Google Benchmark timing of the four C++ operations next to a large memcpy.
 bench-cpp: build
 	@$(BUILD)/mhc_bench --benchmark_min_time=0.5
+
+# The TPU kernels compiled for v5e and v6e through libtpu's compile-only topologies (no TPU
+# needed, nothing runs): token tile, compile time, VMEM, the HBM-byte floor per kernel (a few
+# minutes on 2 cores). TPU_COMPILE_ARGS passes flags, e.g. "--d 4096 --dtype float32".
+tpu-compile: python
+	@$(PYTHON) scripts/tpu_compile.py $(TPU_COMPILE_ARGS)
 
 # The main job: train a small byte-level mHC transformer on the CPU with the fused kernels
 # (about 3 minutes on 2 cores); outputs in demo_output/. DEMO_ARGS passes flags, e.g. --compare.
