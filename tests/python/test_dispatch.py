@@ -192,5 +192,8 @@ def test_sublayer_passes_the_fallback_on():
 
 def test_a_bad_fallback_is_refused():
     loss, args = _problem("boundary")
-    with pytest.raises(ValueError, match=r"fallback: expected one of \('warn', 'allow', 'error'\), got 'quiet'"):
+    message = r"fallback: expected one of \('warn', 'allow', 'error'\), got 'quiet'"
+    with pytest.raises(ValueError, match=message):
         loss(*args, use_kernel=True, fallback="quiet")
+    with pytest.raises(ValueError, match=message):  # the first sublayer of a chain, which runs pre
+        mj.sublayer(args[0], args[4], CONFIG, jnp.tanh, fallback="quiet")

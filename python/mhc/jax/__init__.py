@@ -171,8 +171,7 @@ def boundary(
     ``config`` is the next sublayer's (same n as ``ctx.config``). ``tensor_axis``: as for ``pre``,
     and the same as the one ``ctx`` was made with (the streams keep their layout).
     """
-    if fallback not in _kernels.FALLBACK_CHOICES:
-        raise ValueError(f"fallback: expected one of {_kernels.FALLBACK_CHOICES}, got {fallback!r}")
+    _check_fallback(fallback)
     check_post_args(layer_out, ctx)
     if tensor_axis != ctx.tensor_axis:
         raise ValueError(
@@ -191,6 +190,11 @@ def boundary(
     operands = (x, layer_out, h_post, h_res, params)
     layer_in, x_next, h_post, h_res = _kernels.boundary(config, fallback, tensor_axis, *operands)
     return layer_in, Context(x_next, h_post, h_res, config, True, tensor_axis)
+
+
+def _check_fallback(fallback) -> None:
+    if fallback not in _kernels.FALLBACK_CHOICES:
+        raise ValueError(f"fallback: expected one of {_kernels.FALLBACK_CHOICES}, got {fallback!r}")
 
 
 def sublayer(
@@ -212,6 +216,7 @@ def sublayer(
     Works under jit, grad, checkpoint and scan (``Pending`` is a pytree). ``fallback``: as for
     ``boundary``; ``tensor_axis``: as for ``pre`` (the same for every sublayer of the chain).
     """
+    _check_fallback(fallback)  # the first sublayer too, though only the next ones use it
     options = dict(use_kernel=use_kernel, tensor_axis=tensor_axis)
     if isinstance(state, Pending):
         layer_in, ctx = boundary(state.layer_out, state.ctx, params, config, fallback=fallback, **options)
