@@ -284,6 +284,24 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "head_drops_pre_eps",
+        "the head's gates are sigmoid(a) without + pre_eps (forward and backward)",
+        (
+            Edit(
+                "src/cpu/head.cc",
+                "  pre_forward(config, dims, x, layout.params,",
+                "  Config without_eps = config;\n  without_eps.pre_eps = 0.0f;\n"
+                "  pre_forward(without_eps, dims, x, layout.params,",
+            ),
+            Edit(
+                "src/cpu/head.cc",
+                "  pre_backward(config, dims, dout,",
+                "  Config without_eps = config;\n  without_eps.pre_eps = 0.0f;\n"
+                "  pre_backward(without_eps, dims, dout,",
+            ),
+        ),
+    ),
+    Mutation(
         "boundary_backward_keeps_padded_rows",
         "the fused boundary's backward lets the token rows XLA padded into the parameter gradients",
         (
