@@ -91,7 +91,7 @@ demo: python
 	@$(PYTHON) -m mhc.demo $(DEMO_ARGS)
 
 # One mHC sublayer forward and backward through the C++ API alone: examples/ as a project of its
-# own, built against build/ installed into $(BUILD)/example-install (README, "Use it from C++").
+# own, built against build/ installed into $(BUILD)/example-install (docs/cpp.md, "Build and install").
 example: build
 	@cmake --install $(BUILD) --prefix $(abspath $(BUILD))/example-install > /dev/null
 	@cmake -S examples -B $(BUILD)/example -DCMAKE_PREFIX_PATH=$(abspath $(BUILD))/example-install > /dev/null

@@ -3,7 +3,7 @@
 //
 // Why: every operation is memory bound, so the useful number is not seconds but how close an op
 // comes to the copy bandwidth. Each op reports the spec's minimum traffic ("Minimum memory
-// traffic" in spec/mhc.md) as bytes processed and as a GB/s counter; the memcpy benchmarks (run
+// traffic" in docs/math.md) as bytes processed and as a GB/s counter; the memcpy benchmarks (run
 // first, with one thread and with mhc::num_threads() threads) give the limit, and every op
 // reports fraction_of_copy = its GB/s / the multi-threaded memcpy GB/s.
 //

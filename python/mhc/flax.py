@@ -25,7 +25,7 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
     flat ``mhc.jax.Params`` and ``load_params`` sets them from one (e.g. ``mhc.interop``'s).
 
     Sharding: run the layer under ``nnx.jit`` with sharded inputs; the kernels' partitioning rules
-    keep tokens and D where they are (README, "Many devices"). ``feature_axis`` only annotates the
+    keep tokens and D where they are (docs/sharding.md). ``feature_axis`` only annotates the
     parameters: a logical (or mesh) axis name for D, recorded as their ``out_sharding`` metadata
     ((None, feature_axis) and (None, feature_axis, None)) and resolved through logical axis rules
     where set. With x's D on the same mesh axis the device holding a slice of x's features holds

@@ -7,7 +7,7 @@ and prints one "ok:" line per passing case.
 For each layout (tokens over one axis, batch and sequence over two, tokens and D, D alone, a
 mesh axis of size 1), each dtype and each mix: the forward values and every gradient equal one
 device's, the outputs come back sharded like x, and the compiled forward and gradient hold no
-collective but the all-reduces the partitioning rules name (README, "Many devices"). Padded
+collective but the all-reduces the partitioning rules name (docs/sharding.md). Padded
 token rows that hold values (the masks of the backwards), and the same operations inside
 jax.shard_map with tokens and D split (tensor_axis).
 """

@@ -1,4 +1,4 @@
-"""The allocator setting `import mhc.jax` makes (README: "Large activations on the CPU"): on by
+"""The allocator setting `import mhc.jax` makes (docs/jax.md: "Large activations on the CPU"): on by
 default under glibc, off with MHC_KEEP_MALLOC_DEFAULTS=1, and outputs are still correct either way."""
 
 import os
