@@ -44,6 +44,7 @@ POST_CASES = [
     (1, 130, 1, jnp.float32),
     (8, 1, 37, jnp.bfloat16),
     (4, 130, 0, jnp.float32),
+    (3, 600, 37, jnp.float32),  # Dp = 640: five feature chunks, the backward's sums over D across them
 ]
 
 

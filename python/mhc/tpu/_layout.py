@@ -1,9 +1,12 @@
 """Block layout and VMEM plan shared by the TPU kernels.
 
-x [T, n, D] travels as [T, n*Dp] (Dp = D rounded up to the 128 lanes): tokens in the sublanes,
-the streams side by side in the lanes, each stream a lane-aligned slice. A stream axis of n = 4
-as the second-minor dimension of a block would pad to 8 (f32) or 16 (bf16) sublanes: 2-4x the
-VMEM and DMA bytes; this layout pads nothing but D.
+x [T, n, D] is read as it is, in blocks [tile, n, Dp] (Dp = D rounded up to the 128 lanes), and
+each stream x[:, k, :] is taken in the kernel. In VMEM the stream axis, second-minor, pads to 8
+(f32) or 16 (bf16) sublanes: 2-4x the VMEM of the values at n = 4 (stream_sublanes). The other
+way, x reshaped to [T, n Dp] outside the kernel so that the streams sit side by side in the
+lanes, pads nothing in VMEM, but XLA:TPU stores [T, n, D] in (n, 128) tiles and the reshape
+became a relayout copy of x in HBM (a read and a write of x more: seen in the v5e and v6e
+compiles, one copy per x-sized operand), which the spec's one pass over x cannot afford.
 
 The pre kernel's per-token coefficient math runs with tokens in the lanes instead (a row of the
 logits per coefficient, the token tile across the lanes): the Sinkhorn steps are then whole-vreg
@@ -22,6 +25,8 @@ SUBLANES = 8
 # Token tiles the wrappers choose from, largest first. Multiples of 128: the pre kernel's
 # coefficient outputs carry the tokens in the lanes.
 TOKEN_TILES = (512, 256, 128)
+# The post kernels' largest feature chunk (lanes).
+FEATURE_CHUNK_LANES = 512
 # VMEM the plan may fill (the compiler gets VMEM_LIMIT, the rest is its own headroom). v5e and
 # v6e have 128 MiB of VMEM per core, v7x 64 MiB: 48 MiB fits all three.
 VMEM_BUDGET = 48 * 2**20
@@ -32,9 +37,22 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def stream_sublanes(n: int, itemsize: int) -> int:
+    """Sublanes the n streams of one token occupy in a VMEM block: n rounded up to 8 rows of 32
+    bits (16 for bf16, packed two to a row)."""
+    return round_up(n, SUBLANES * 4 // itemsize)
+
+
 def padded_features(d: int) -> int:
     """Dp: D rounded up to the lane width."""
     return round_up(d, LANES)
+
+
+def feature_chunk(padded: int) -> int:
+    """The post kernels' feature chunk: the largest multiple of 128 lanes that divides Dp and is at
+    most FEATURE_CHUNK_LANES."""
+    lanes = padded // LANES
+    return LANES * max(k for k in range(1, FEATURE_CHUNK_LANES // LANES + 1) if lanes % k == 0)
 
 
 def group_rows(n: int) -> int:

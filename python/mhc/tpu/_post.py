@@ -1,10 +1,13 @@
-"""The post forward and backward as Pallas TPU kernels, one grid step per token tile (unverified on
-TPU hardware: checked in TPU interpret mode, by lowering to Mosaic and by compiling for v5e/v6e,
-never run on a chip).
+"""The post forward and backward as Pallas TPU kernels, one grid step per token tile and feature
+chunk (unverified on TPU hardware: checked in TPU interpret mode, by lowering to Mosaic and by
+compiling for v5e/v6e, never run on a chip).
 
-Layout as the pre kernel's x: [T, n Dp], tokens in the sublanes, each stream a lane-aligned
-slice; the coefficients [T, n] and [T, n n] with the tokens in the sublanes too, each one a
-1-lane column broadcast over the features.
+Layout as the pre kernel's x (_layout): blocks [tile, n, chunk] of x, g, out and dx, each stream
+x[:, k, :] with the tokens in the sublanes; the coefficients [T, n] and [T, n n] with the tokens
+in the sublanes too, each one a 1-lane column broadcast over the features. Post needs no whole
+token at once, so the features come in chunks of at most 512 lanes: the stream axis, padded to
+16 sublanes in bf16, would otherwise not fit VMEM at D = 2048. The backward's sums over D (dh_post,
+dh_res) accumulate over the chunks in order (the chunk axis is sequential), in f32.
 """
 
 from __future__ import annotations
@@ -22,20 +25,20 @@ from mhc.tpu import _layout
 _F32 = jnp.float32
 
 
-def _stream(ref, k: int, padded: int):
-    return ref[:, k * padded : (k + 1) * padded].astype(_F32)
+def _stream(ref, k: int):
+    return ref[:, k, :].astype(_F32)
 
 
-def _forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, out_ref, *, n: int, padded: int):
+def _forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, out_ref, *, n: int):
     layer_out = layer_out_ref[...].astype(_F32)
     h_post, h_res = h_post_ref[...], h_res_ref[...]
-    streams = [_stream(x_ref, i, padded) for i in range(n)]
+    streams = [_stream(x_ref, i) for i in range(n)]
     for j in range(n):
         # out_j = sum_i H_res[i, j] x_i + H_post[j] layer_out (spec: Forward step 8).
         out = h_post[:, j : j + 1] * layer_out
         for i in range(n):
             out += h_res[:, i * n + j : i * n + j + 1] * streams[i]
-        out_ref[:, j * padded : (j + 1) * padded] = out.astype(out_ref.dtype)
+        out_ref[:, j, :] = out.astype(out_ref.dtype)
 
 
 def _columns(values, width: int):
@@ -49,32 +52,41 @@ def _columns(values, width: int):
 
 
 def _backward_kernel(
-    g_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref, dx_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, *, n, padded
+    g_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref, dx_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, *, n
 ):
     layer_out = layer_out_ref[...].astype(_F32)
     h_post, h_res = h_post_ref[...], h_res_ref[...]
-    g = [_stream(g_ref, j, padded) for j in range(n)]
+    g = [_stream(g_ref, j) for j in range(n)]
     # Spec, Backward (post); the per-token sums over D in f32 (the padded lanes are zero).
     dlayer_out = h_post[:, 0:1] * g[0]
     for j in range(1, n):
         dlayer_out += h_post[:, j : j + 1] * g[j]
     dlayer_out_ref[...] = dlayer_out.astype(dlayer_out_ref.dtype)
-    dh_post_ref[...] = _columns([jnp.sum(layer_out * g[j], axis=1, keepdims=True) for j in range(n)], n)
+    dh_post = _columns([jnp.sum(layer_out * g[j], axis=1, keepdims=True) for j in range(n)], n)
     dh_res = []
     for i in range(n):
-        x_i = _stream(x_ref, i, padded)
+        x_i = _stream(x_ref, i)
         dh_res += [jnp.sum(x_i * g[j], axis=1, keepdims=True) for j in range(n)]
         dx = h_res[:, i * n : i * n + 1] * g[0]
         for j in range(1, n):
             dx += h_res[:, i * n + j : i * n + j + 1] * g[j]
-        dx_ref[:, i * padded : (i + 1) * padded] = dx.astype(dx_ref.dtype)
-    dh_res_ref[...] = _columns(dh_res, n * n)
+        dx_ref[:, i, :] = dx.astype(dx_ref.dtype)
+    dh_res = _columns(dh_res, n * n)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _first_chunk():
+        dh_post_ref[...] = jnp.zeros_like(dh_post)
+        dh_res_ref[...] = jnp.zeros_like(dh_res)
+
+    dh_post_ref[...] += dh_post
+    dh_res_ref[...] += dh_res
 
 
-def _tile(operation: str, n: int, padded: int, sizes: tuple[int, ...], temporaries: int) -> int:
-    """Token tile from the VMEM plan: every [T, n Dp] or [T, Dp] operand double-buffered (sizes:
-    bytes per token of each), plus `temporaries` f32 [tile, Dp] values."""
-    per_token = 2 * sum(sizes) + temporaries * padded * 4
+def _tile(operation: str, chunk: int, sizes: tuple[int, ...], temporaries: int) -> int:
+    """Token tile from the VMEM plan: every [T, n, chunk] or [T, chunk] operand double-buffered
+    (sizes: bytes per token of each, the stream axis padded to the sublanes), plus `temporaries`
+    f32 [tile, chunk] values."""
+    per_token = 2 * sum(sizes) + temporaries * chunk * 4
     return _layout.choose_token_tile(operation, per_token, 0)
 
 
@@ -96,21 +108,23 @@ def _check(operation: str, config: Config, x, layer_out, h_post, h_res, tile):
         raise ValueError(f"mhc.tpu.{operation}: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
 
 
-def _flat(a, padded: int):
-    """[T, n, D] -> [T, n Dp] or [T, D] -> [T, Dp], the features zero-padded."""
-    pad = [(0, 0)] * (a.ndim - 1) + [(0, padded - a.shape[-1])]
-    return jnp.pad(a, pad).reshape(a.shape[0], -1)
+def _padded(a, padded: int):
+    """a with its last axis (the features) zero-padded to `padded`."""
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padded - a.shape[-1])])
 
 
-def _compiler_params():
-    return pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=_layout.VMEM_LIMIT)
+def _compiler_params(chunks: str):
+    """Token tiles in parallel; the feature chunks `chunks` ("parallel", or "arbitrary" where an
+    output accumulates over them)."""
+    return pltpu.CompilerParams(dimension_semantics=("parallel", chunks), vmem_limit_bytes=_layout.VMEM_LIMIT)
 
 
 def forward_tile(config: Config, d: int, dtype, layer_out_dtype) -> int:
-    padded = _layout.padded_features(d)
+    chunk = _layout.feature_chunk(_layout.padded_features(d))
     size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
-    sizes = (config.n * padded * size, padded * lo_size, config.n * padded * size)
-    return _tile("post_forward", config.n, padded, sizes, config.n + 2)
+    streams = _layout.stream_sublanes(config.n, size)
+    sizes = (streams * chunk * size, chunk * lo_size, streams * chunk * size)
+    return _tile("post_forward", chunk, sizes, config.n + 2)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
@@ -123,41 +137,45 @@ def post_forward(config: Config, x, layer_out, h_post, h_res, *, tile: int | Non
         return jnp.zeros(x.shape, x.dtype)
     tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype)
     padded = _layout.padded_features(d)
-    rows = lambda i: (i, 0)  # noqa: E731
+    chunk = _layout.feature_chunk(padded)
+    rows = lambda i, c: (i, 0)  # noqa: E731
+    features_map = lambda i, c: (i, c)  # noqa: E731
+    streams_map = lambda i, c: (i, 0, c)  # noqa: E731
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
     out = pl.pallas_call(
-        functools.partial(_forward_kernel, n=n, padded=padded),
-        grid=(pl.cdiv(t, tile),),
+        functools.partial(_forward_kernel, n=n),
+        grid=(pl.cdiv(t, tile), padded // chunk),
         in_specs=[
-            pl.BlockSpec((tile, n * padded), rows),
-            pl.BlockSpec((tile, padded), rows),
+            pl.BlockSpec((tile, n, chunk), streams_map),
+            pl.BlockSpec((tile, chunk), features_map),
             pl.BlockSpec((tile, n), rows),
             pl.BlockSpec((tile, n * n), rows),
         ],
-        out_specs=pl.BlockSpec((tile, n * padded), rows),
-        out_shape=jax.ShapeDtypeStruct((t, n * padded), x.dtype),
-        compiler_params=_compiler_params(),
+        out_specs=pl.BlockSpec((tile, n, chunk), streams_map),
+        out_shape=jax.ShapeDtypeStruct((t, n, padded), x.dtype),
+        compiler_params=_compiler_params("parallel"),
         cost_estimate=pl.CostEstimate(
             flops=int(2 * t * n * (n + 1) * padded),
             transcendentals=0,
             bytes_accessed=int(t * padded * (2 * n * size + lo_size) + t * (n + n * n) * 4),
         ),
         interpret=interpret if interpret is not None else False,
-    )(_flat(x, padded), _flat(layer_out, padded), h_post, h_res.reshape(t, n * n))
-    return out.reshape(t, n, padded)[:, :, :d]
+    )(_padded(x, padded), _padded(layer_out, padded), h_post, h_res.reshape(t, n * n))
+    return out[:, :, :d]
 
 
 def backward_tile(config: Config, d: int, dtype, layer_out_dtype) -> int:
-    padded = _layout.padded_features(d)
+    chunk = _layout.feature_chunk(_layout.padded_features(d))
     size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
+    streams = _layout.stream_sublanes(config.n, size)
     sizes = (
-        config.n * padded * size,
-        config.n * padded * size,
-        padded * lo_size,
-        config.n * padded * size,
-        padded * lo_size,
+        streams * chunk * size,
+        streams * chunk * size,
+        chunk * lo_size,
+        streams * chunk * size,
+        chunk * lo_size,
     )
-    return _tile("post_backward", config.n, padded, sizes, config.n + 3)
+    return _tile("post_backward", chunk, sizes, config.n + 3)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
@@ -180,27 +198,30 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
         )
     tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype)
     padded = _layout.padded_features(d)
-    rows = lambda i: (i, 0)  # noqa: E731
+    chunk = _layout.feature_chunk(padded)
+    rows = lambda i, c: (i, 0)  # noqa: E731
+    features_map = lambda i, c: (i, c)  # noqa: E731
+    streams_map = lambda i, c: (i, 0, c)  # noqa: E731
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
-    streams = pl.BlockSpec((tile, n * padded), rows)
-    features = pl.BlockSpec((tile, padded), rows)
+    streams = pl.BlockSpec((tile, n, chunk), streams_map)
+    features = pl.BlockSpec((tile, chunk), features_map)
     dx, dlayer_out, dh_post, dh_res = pl.pallas_call(
-        functools.partial(_backward_kernel, n=n, padded=padded),
-        grid=(pl.cdiv(t, tile),),
+        functools.partial(_backward_kernel, n=n),
+        grid=(pl.cdiv(t, tile), padded // chunk),
         in_specs=[streams, streams, features, pl.BlockSpec((tile, n), rows), pl.BlockSpec((tile, n * n), rows)],
         out_specs=[streams, features, pl.BlockSpec((tile, n), rows), pl.BlockSpec((tile, n * n), rows)],
         out_shape=[
-            jax.ShapeDtypeStruct((t, n * padded), x.dtype),
+            jax.ShapeDtypeStruct((t, n, padded), x.dtype),
             jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
             jax.ShapeDtypeStruct((t, n), _F32),
             jax.ShapeDtypeStruct((t, n * n), _F32),
         ],
-        compiler_params=_compiler_params(),
+        compiler_params=_compiler_params("arbitrary"),
         cost_estimate=pl.CostEstimate(
             flops=int(4 * t * n * (n + 1) * padded),
             transcendentals=0,
             bytes_accessed=int(t * padded * (3 * n * size + 2 * lo_size) + 2 * t * (n + n * n) * 4),
         ),
         interpret=interpret if interpret is not None else False,
-    )(_flat(g, padded), _flat(x, padded), _flat(layer_out, padded), h_post, h_res.reshape(t, n * n))
-    return dx.reshape(t, n, padded)[:, :, :d], dlayer_out[:, :d], dh_post, dh_res.reshape(t, n, n)
+    )(_padded(g, padded), _padded(x, padded), _padded(layer_out, padded), h_post, h_res.reshape(t, n * n))
+    return dx[:, :, :d], dlayer_out[:, :d], dh_post, dh_res.reshape(t, n, n)

@@ -77,7 +77,7 @@ def _kernel(*refs, config: Config, features: int, padded: int, dtype):
     squares = jnp.zeros((_layout.SUBLANES, tile), _F32)
     ones = jnp.ones((_layout.SUBLANES, padded), _F32)
     for k in range(n):
-        stream = x_ref[:, k * padded : (k + 1) * padded].astype(_F32)
+        stream = x_ref[:, k, :].astype(_F32)
         weight = weight_ref[:, k * padded : (k + 1) * padded]
         logits += jax.lax.dot_general(weight, stream, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
         squares += jax.lax.dot_general(
@@ -103,9 +103,9 @@ def _kernel(*refs, config: Config, features: int, padded: int, dtype):
     coefficients_ref[...] = jnp.concatenate([h_pre, h_post, h_res], axis=0)
     # Step 6, from the tile in VMEM: the gates with the tokens back in the sublanes.
     gates = h_pre.T
-    layer_in = gates[:, 0:1] * x_ref[:, 0:padded].astype(_F32)
+    layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)
     for k in range(1, n):
-        layer_in += gates[:, k : k + 1] * x_ref[:, k * padded : (k + 1) * padded].astype(_F32)
+        layer_in += gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32)
     layer_in_ref[...] = layer_in.astype(dtype)
 
 
@@ -139,7 +139,8 @@ def token_tile(config: Config, d: int, dtype) -> int:
     rows = _layout.logit_rows(config.n, config.mix)
     # Double-buffered x and layer_in tiles, three f32 temporaries of one stream, the logits and
     # the coefficient output (double-buffered); the weight, double-buffered, is fixed.
-    per_token = 2 * config.n * padded * size + 2 * padded * size + 3 * padded * 4 + 4 * rows * 4
+    per_token = 2 * _layout.stream_sublanes(config.n, size) * padded * size + 2 * padded * size
+    per_token += 3 * padded * 4 + 4 * rows * 4
     fixed = 2 * rows * config.n * padded * 4
     return _layout.choose_token_tile("pre_forward", per_token, fixed)
 
@@ -170,16 +171,16 @@ def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, i
         )
     padded = _layout.padded_features(d)
     weight, scale, bias = _transposed_weight(config, params, d, padded)
-    flat = jnp.pad(x, ((0, 0), (0, 0), (0, padded - d))).reshape(t, n * padded)
+    x_padded = jnp.pad(x, ((0, 0), (0, 0), (0, padded - d)))
     rows, coefficient_rows = weight.shape[0], _layout.coefficient_rows(n)
     whole = lambda i: (0, 0)  # noqa: E731
     in_specs = [
-        pl.BlockSpec((tile, n * padded), lambda i: (i, 0)),
+        pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0)),
         pl.BlockSpec((rows, n * padded), whole),
         pl.BlockSpec((rows, 1), whole),
         pl.BlockSpec((rows, 1), whole),
     ]
-    operands = [flat, weight, scale, bias]
+    operands = [x_padded, weight, scale, bias]
     if config.mix == "permutations":
         table = jnp.asarray(_permutation_table(n))
         in_specs.append(pl.BlockSpec(table.shape, whole))
