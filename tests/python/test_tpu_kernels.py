@@ -233,3 +233,27 @@ def test_bad_arguments_are_named():
         mhc.tpu.post_forward(config, x, jnp.zeros((5, 8)), h_post, jnp.zeros((5, 16)))
     with pytest.raises(ValueError, match=r"g: expected x's shape and dtype"):
         mhc.tpu.post_backward(config, x.astype(jnp.bfloat16), x, jnp.zeros((5, 8)), h_post, h_res)
+
+
+def test_forwards_are_batch_invariant(seed):
+    """A token's forward outputs do not depend on the other tokens of the call or its place in the
+    tile (spec: Accuracy, batch invariance): token 150 of a three-tile call (the middle of the
+    second tile) equals the same token alone, bit for bit. In the interpreter, whose dots are the
+    CPU's: the kernels' structure (per-token sums in a fixed order), not the TPU's arithmetic."""
+    config = mj.Config(n=4)
+    rng = np.random.default_rng(seed)
+    params = random_numpy_params(rng, config, 130)
+    x, layer_out, _, h_post, h_res = _post_problem(rng, 4, 130, 300, jnp.bfloat16)
+    one = slice(150, 151)
+    for many, alone in zip(
+        mhc.tpu.pre_forward(config, x, params, tile=TILE, interpret=INTERPRET),
+        mhc.tpu.pre_forward(config, x[one], params, tile=TILE, interpret=INTERPRET),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(many[one], np.float32), np.asarray(alone, np.float32))
+    many = mhc.tpu.post_forward(config, x, layer_out, h_post, h_res, tile=TILE, interpret=INTERPRET)
+    alone = mhc.tpu.post_forward(
+        config, x[one], layer_out[one], h_post[one], h_res[one], tile=TILE, interpret=INTERPRET
+    )
+    np.testing.assert_array_equal(np.asarray(many[one], np.float32), np.asarray(alone, np.float32))
+    _no_races()
