@@ -48,9 +48,9 @@ class Placed {
 
 // Runs operations of one shape on the backend under test and checks every output against the
 // float64 reference by test_util.h's rule (expect_matches: f32 outputs 1e-5, bf16 outputs half an
-// ulp, or 32x the reference's spread under one-f32-unit perturbations where that is larger).
-// Activation views are placed `in_offset` (inputs) and `out_offset`
-// (outputs) elements past a 16-byte boundary; outputs start as NaN, their guards must stay NaN.
+// ulp, or kSpreadMultiple x the reference's spread under one-f32-unit perturbations where that is
+// larger). Activation views are placed `in_offset` (inputs) and `out_offset` (outputs) elements
+// past a 16-byte boundary; outputs start as NaN, their guards must stay NaN.
 class OperationCheck {
  public:
   OperationCheck(const Config& config, int64_t T, DType dtype, int64_t in_offset = 0,

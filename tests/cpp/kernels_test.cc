@@ -5,8 +5,8 @@
 // Bounds (test_util.h, expect_matches): inputs are exact values of their dtype, so the
 // reference sees what the kernel sees; f32 outputs (coefficients and parameter gradients included,
 // whatever the activation dtype) are held to 1e-5, bf16 outputs to half an ulp of the float64
-// value, each widened to 32x the reference's own spread under one-f32-unit perturbations where
-// that is larger (a cancelling sum).
+// value, each widened to kSpreadMultiple x the reference's own spread under one-f32-unit
+// perturbations where that is larger (a cancelling sum).
 //
 // Configs: the defaults, and non-default ones on the smaller shapes (pre_eps 0.1, sinkhorn_eps
 // 0.05, rms_eps 0.5 with activations whose mean square is near it, post_scale 1.3, 1, 2, 3 or 20

@@ -3,8 +3,8 @@
 // as an all-reduce would, must give the float64 reference of the whole layer (spec: Accuracy),
 // and every slice must compute the same coefficients and alpha/bias gradients. Bounds as in
 // kernels_test.cc (test_util.h, expect_matches: f32 outputs 1e-5 whatever the activation dtype,
-// bf16 outputs half an ulp, or 32x the reference's spread where larger), over the default config
-// and a non-default one.
+// bf16 outputs half an ulp, or kSpreadMultiple x the reference's spread where larger), over the
+// default config and a non-default one.
 #include <gtest/gtest.h>
 
 #include <string>

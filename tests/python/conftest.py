@@ -81,11 +81,16 @@ def sublayer_values(x, layer_out, params, config: mj.Config, cotangents, use_ker
 
 # The one rule of every accuracy comparison, as in tests/cpp/test_util.h (expect_matches, where
 # the multiple is justified): allowed relative error = max(the spec's bound, SPREAD_MULTIPLE x the
-# reference's relative spread), the spread being the largest distance over SPREAD_DRAWS draws by
-# which the float64 oracle moves when its inputs, and the values the kernels round to f32 and
-# reuse (numpy_reference's noise: r and the projection), move by one f32 unit at random.
-SPREAD_MULTIPLE = 32
-SPREAD_DRAWS = 2
+# reference's relative spread), the spread being the root mean square, over spread_draws(size)
+# draws, of the distance by which the float64 oracle moves when its inputs, and the intermediates
+# the kernels round to f32 and reuse (numpy_reference's noise=), move by one f32 unit at random.
+SPREAD_MULTIPLE = 64
+SPREAD_VALUES = 32
+
+
+def spread_draws(elements: int) -> int:
+    """At least two draws, and enough for SPREAD_VALUES values in all (test_util.h, spread_draws)."""
+    return min(max(-(-SPREAD_VALUES // max(elements, 1)), 2), SPREAD_VALUES)
 
 
 def assert_matches(name, got, want, tolerance, perturbed, context=""):
@@ -101,7 +106,9 @@ def assert_matches(name, got, want, tolerance, perturbed, context=""):
     norm = float(np.linalg.norm(want64))
     # Seeded by the name and context (which carries the test's seed), so MHC_TEST_SEED replays it.
     rng = np.random.default_rng(zlib.crc32(f"{name} {context}".encode()))
-    spread = max(float(np.linalg.norm(np.asarray(perturbed(rng), np.float64) - want64)) for _ in range(SPREAD_DRAWS))
+    draws = spread_draws(want64.size)
+    squares = sum(float(np.sum((np.asarray(perturbed(rng), np.float64) - want64) ** 2)) for _ in range(draws))
+    spread = np.sqrt(squares / draws)
     relative_spread = spread / norm if norm > 0 else spread
     allowed = max(tolerance, SPREAD_MULTIPLE * relative_spread)
     if os.environ.get("MHC_LOG_SPREAD"):

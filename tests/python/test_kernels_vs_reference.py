@@ -1,8 +1,9 @@
 """The kernel path (custom VJP over the C++ operations) under jit against the float64 NumPy oracle
 (numpy_reference.py): outputs and the gradients with respect to x, layer_out and every parameter,
 random cotangents. Bounds: f32 tensors (every parameter gradient, whatever the activation dtype)
-1e-5, bf16 tensors 1e-2, or 32x the oracle's own spread under one-f32-unit perturbations where that
-is larger (conftest.assert_matches, the rule of the C++ tests: a cancelling sum such as dalpha)."""
+1e-5, bf16 tensors 1e-2, or SPREAD_MULTIPLE x the oracle's own spread under one-f32-unit
+perturbations where that is larger (conftest.assert_matches, the rule of the C++ tests: a cancelling
+sum such as dalpha)."""
 
 import jax
 import jax.numpy as jnp
