@@ -226,6 +226,8 @@ def test_bad_arguments_are_named():
         mhc.tpu.pre_forward(config, x.astype(jnp.float16), params)
     with pytest.raises(ValueError, match=r"tile: expected one of"):
         mhc.tpu.pre_forward(config, x, params, tile=100)
+    with pytest.raises(ValueError, match=r"params.phi: expected shape \(32, 24\)"):
+        mhc.tpu.pre_forward(config, x, params._replace(phi=params.phi[:, :20]))
     h_post, h_res = jnp.zeros((5, 4)), jnp.zeros((5, 4, 4))
     with pytest.raises(ValueError, match=r"layer_out: expected shape \(5, 8\)"):
         mhc.tpu.post_forward(config, x, jnp.zeros((5, 9)), h_post, h_res)

@@ -157,6 +157,12 @@ def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, i
         raise ValueError(f"mhc.tpu.pre_forward: x: expected n = {config.n} streams (axis 1), got shape {x.shape}")
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"mhc.tpu.pre_forward: x: expected float32 or bfloat16, got {x.dtype}")
+    m, width = n * d, config.projection_width
+    for name, value, shape in zip(Params._fields, params, ((m,), (m, width), (3,), (width,)), strict=True):
+        if np.shape(value) != shape:
+            raise ValueError(
+                f"mhc.tpu.pre_forward: params.{name}: expected shape {shape} for x {x.shape}, got {np.shape(value)}"
+            )
     if tile is None:
         tile = token_tile(config, d, x.dtype)
     elif tile not in _layout.TOKEN_TILES:
