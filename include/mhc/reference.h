@@ -1,5 +1,5 @@
 // mhc/reference.h: the float64 reference of the four operations, the test oracle and the readable
-// definition. Plain loops that mirror ../spec/mhc.md line by line; no tiling, no threads, no SIMD.
+// definition. Plain loops that mirror docs/math.md line by line; no tiling, no threads, no SIMD.
 // Tensors are row-major std::vector<double> with the shapes listed in mhc/ops.h; T is inferred
 // from x.size() / (n*D). These functions do not validate; they are for tests and reading.
 #pragma once

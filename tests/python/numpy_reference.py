@@ -1,4 +1,4 @@
-"""The spec's forward and backward (../shared/spec/mhc.md) in float64 NumPy, vectorized over tokens.
+"""The spec's forward and backward (docs/math.md) in float64 NumPy, vectorized over tokens.
 
 Written from the spec's text, sharing no code with src/core/reference.cc or mhc.jax.reference, so
 it is an independent oracle for the Python tests: the kernel path and the plain-JAX path are both
