@@ -27,7 +27,13 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # half of the ASan run and exercise no code path the rest misses (D = 130 spans several projection
 # blocks and a remainder, T = 257 several tiles and gradient chunks, D = 4096 the decode split).
 # make test-cpp runs them.
-asan_filter='-CoefficientTokenLoop.*:*T4096*:*D1024*:MixAndDtype/*'
+# BatchInvariance is left out too: its bit-equality between the lone-token and the tiled paths
+# holds in optimized builds (make test-cpp, the wheel; also clang with ASan alone or UBSan alone)
+# but not in this build with clang's coverage counters (tried 2026-12-02). The likely cause:
+# -ffp-contract=fast (projection.cc, post.cc, vector_math.cc) leaves to the optimizer which a*b+c
+# become FMAs, and the counters change its choices differently in the two paths. Explicit FMAs
+# would make the bits independent of the optimizer (issue 26's SIMD rework).
+asan_filter='-CoefficientTokenLoop.*:*T4096*:*D1024*:MixAndDtype/*:*BatchInvariance*'
 pids=()
 for shard in 0 1; do
   GTEST_FILTER=$asan_filter GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard \
