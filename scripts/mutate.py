@@ -65,6 +65,9 @@ POST = "src/cpu/post.cc"
 SIMD = "src/cpu/simd.h"
 VECTOR_MATH = "src/cpu/vector_math.cc"
 REFERENCE = "src/core/reference.cc"
+TPU_PRE = "python/mhc/tpu/_pre.py"
+TPU_POST = "python/mhc/tpu/_post.py"
+TPU_TESTS = "tests/python/test_tpu_kernels.py"
 
 MUTATIONS = (
     Mutation(
@@ -324,6 +327,42 @@ MUTATIONS = (
                 "post_forward_tokens(x + t0 * M, layer_out + t0 * D, h_post, h_res, n, D,",
             ),
         ),
+    ),
+    Mutation(
+        "tpu_projection_default_precision",
+        "the TPU pre kernel's projection dot drops precision=HIGHEST (default MXU precision, not fp32 contraction)",
+        (
+            Edit(
+                TPU_PRE,
+                "logits += jax.lax.dot_general(weight, stream, _CONTRACT_LANES, precision=_HIGHEST, "
+                "preferred_element_type=_F32)",
+                "logits += jax.lax.dot_general(weight, stream, _CONTRACT_LANES, preferred_element_type=_F32)",
+            ),
+        ),
+        python=True,
+        # The interpreter computes in f32 whatever precision was asked: only the lowered Mosaic shows it.
+        python_tests=(f"{TPU_TESTS}::test_projection_dots_carry_full_f32_precision[sinkhorn]",),
+    ),
+    Mutation(
+        "tpu_dh_res_shifted",
+        "the TPU post backward's dh_res[i, j] pairs x_i with g_(j+1 mod n) instead of g_j",
+        (
+            Edit(
+                TPU_POST,
+                "dh_res += [jnp.sum(x_i * g[j], axis=1, keepdims=True) for j in range(n)]",
+                "dh_res += [jnp.sum(x_i * g[(j + 1) % n], axis=1, keepdims=True) for j in range(n)]",
+            ),
+        ),
+        python=True,
+        python_tests=(f"{TPU_TESTS}::test_post_forward_and_backward_match_reference[3-1-37-bfloat16]",),
+    ),
+    Mutation(
+        "tpu_chunk_sum_overwritten",
+        "the TPU post backward's dh_post keeps only the last feature chunk's sum (= instead of +=)",
+        (Edit(TPU_POST, "dh_post_ref[...] += dh_post", "dh_post_ref[...] = dh_post"),),
+        python=True,
+        # D = 600 pads to five 128-lane chunks; a single-chunk case cannot see this.
+        python_tests=(f"{TPU_TESTS}::test_post_forward_and_backward_match_reference[3-600-37-float32]",),
     ),
 )
 

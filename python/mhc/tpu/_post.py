@@ -13,6 +13,7 @@ dh_res) accumulate over the chunks in order (the chunk axis is sequential), in f
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +120,30 @@ def _compiler_params(chunks: str):
     return pltpu.CompilerParams(dimension_semantics=("parallel", chunks), vmem_limit_bytes=_layout.VMEM_LIMIT)
 
 
+class _Blocks(NamedTuple):
+    padded: int  # Dp
+    grid: tuple[int, int]  # (token tiles, feature chunks)
+    streams: pl.BlockSpec  # [tile, n, chunk] of x, g, out, dx
+    features: pl.BlockSpec  # [tile, chunk] of layer_out, dlayer_out
+    h_post: pl.BlockSpec  # [tile, n] of h_post, dh_post: every chunk sees the tile's whole rows
+    h_res: pl.BlockSpec  # [tile, n n] of h_res, dh_res
+
+
+def _blocks(t: int, n: int, d: int, tile: int) -> _Blocks:
+    """The grid and block specs the forward and the backward share (one layout for both)."""
+    padded = _layout.padded_features(d)
+    chunk = _layout.feature_chunk(padded)
+    rows = lambda i, c: (i, 0)  # noqa: E731
+    return _Blocks(
+        padded,
+        (pl.cdiv(t, tile), padded // chunk),
+        pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c)),
+        pl.BlockSpec((tile, chunk), lambda i, c: (i, c)),
+        pl.BlockSpec((tile, n), rows),
+        pl.BlockSpec((tile, n * n), rows),
+    )
+
+
 def forward_tile(config: Config, d: int, dtype, layer_out_dtype) -> int:
     chunk = _layout.feature_chunk(_layout.padded_features(d))
     size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
@@ -136,22 +161,14 @@ def post_forward(config: Config, x, layer_out, h_post, h_res, *, tile: int | Non
     if t == 0:
         return jnp.zeros(x.shape, x.dtype)
     tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype)
-    padded = _layout.padded_features(d)
-    chunk = _layout.feature_chunk(padded)
-    rows = lambda i, c: (i, 0)  # noqa: E731
-    features_map = lambda i, c: (i, c)  # noqa: E731
-    streams_map = lambda i, c: (i, 0, c)  # noqa: E731
+    b = _blocks(t, n, d, tile)
+    padded = b.padded
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
     out = pl.pallas_call(
         functools.partial(_forward_kernel, n=n),
-        grid=(pl.cdiv(t, tile), padded // chunk),
-        in_specs=[
-            pl.BlockSpec((tile, n, chunk), streams_map),
-            pl.BlockSpec((tile, chunk), features_map),
-            pl.BlockSpec((tile, n), rows),
-            pl.BlockSpec((tile, n * n), rows),
-        ],
-        out_specs=pl.BlockSpec((tile, n, chunk), streams_map),
+        grid=b.grid,
+        in_specs=[b.streams, b.features, b.h_post, b.h_res],
+        out_specs=b.streams,
         out_shape=jax.ShapeDtypeStruct((t, n, padded), x.dtype),
         compiler_params=_compiler_params("parallel"),
         cost_estimate=pl.CostEstimate(
@@ -197,19 +214,14 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
             jnp.zeros((0, n, n), _F32),
         )
     tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype)
-    padded = _layout.padded_features(d)
-    chunk = _layout.feature_chunk(padded)
-    rows = lambda i, c: (i, 0)  # noqa: E731
-    features_map = lambda i, c: (i, c)  # noqa: E731
-    streams_map = lambda i, c: (i, 0, c)  # noqa: E731
+    b = _blocks(t, n, d, tile)
+    padded = b.padded
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
-    streams = pl.BlockSpec((tile, n, chunk), streams_map)
-    features = pl.BlockSpec((tile, chunk), features_map)
     dx, dlayer_out, dh_post, dh_res = pl.pallas_call(
         functools.partial(_backward_kernel, n=n),
-        grid=(pl.cdiv(t, tile), padded // chunk),
-        in_specs=[streams, streams, features, pl.BlockSpec((tile, n), rows), pl.BlockSpec((tile, n * n), rows)],
-        out_specs=[streams, features, pl.BlockSpec((tile, n), rows), pl.BlockSpec((tile, n * n), rows)],
+        grid=b.grid,
+        in_specs=[b.streams, b.streams, b.features, b.h_post, b.h_res],
+        out_specs=[b.streams, b.features, b.h_post, b.h_res],
         out_shape=[
             jax.ShapeDtypeStruct((t, n, padded), x.dtype),
             jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
