@@ -24,6 +24,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
@@ -593,6 +594,23 @@ def _lead(x) -> int:
     return x.ndim - 2
 
 
+# The names the custom VJPs' forwards give the residuals they save for the backward, so a
+# jax.checkpoint policy can pick them by name: save_only_these_names(...) keeps them, and
+# save_and_offload_only_these_names(...) moves them to host memory. A name only labels the
+# value (jax.ad_checkpoint.checkpoint_name is an identity); without a policy nothing changes.
+# The parameters are not named: they are the caller's arguments, which a policy keeps anyway.
+RESIDUAL_X = "mhc_x"  # the streams x [..., n, D] going into a sublayer's post (and pre)
+RESIDUAL_LAYER_OUT = "mhc_layer_out"  # the sublayer's output [..., D] given to post / boundary
+RESIDUAL_COEFFICIENTS = "mhc_coefficients"  # h_post [..., n] and h_res [..., n, n] given to post / boundary
+RESIDUAL_PARTIALS = "mhc_pre_partials"  # pre's per-token partial sums (pre, boundary), kept for its backward
+RESIDUAL_NAMES = (RESIDUAL_X, RESIDUAL_LAYER_OUT, RESIDUAL_COEFFICIENTS, RESIDUAL_PARTIALS)
+
+
+def _named(name: str, *arrays):
+    """The arrays labelled ``name`` for jax.checkpoint policies (one tuple, in order)."""
+    return tuple(checkpoint_name(a, name) for a in arrays)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def pre(config: Config, tensor_axis, x, params: Params):
     """x [..., n, D] -> layer_in [..., D], x (for the context), h_post [..., n], h_res [..., n, n].
@@ -604,7 +622,9 @@ def pre(config: Config, tensor_axis, x, params: Params):
 def _pre_fwd(config, tensor_axis, x, params):
     shaped = _shaped(config, x.shape[-1], params, tensor_axis)
     layer_in, h_post, h_res, partials = _apply(PRE_FORWARD, config, _lead(x), x, *shaped, tensor_axis=tensor_axis)
-    return (layer_in, x, h_post, h_res), (x, partials, params)
+    (x_saved,) = _named(RESIDUAL_X, x)
+    (partials,) = _named(RESIDUAL_PARTIALS, partials)
+    return (layer_in, x, h_post, h_res), (x_saved, partials, params)
 
 
 def _pre_bwd(config, tensor_axis, residuals, cotangents):
@@ -625,7 +645,12 @@ def post(config: Config, tensor_axis, x, layer_out, h_post, h_res):
 
 
 def _post_fwd(config, tensor_axis, x, layer_out, h_post, h_res):
-    return post(config, tensor_axis, x, layer_out, h_post, h_res), (x, layer_out, h_post, h_res)
+    out = post(config, tensor_axis, x, layer_out, h_post, h_res)
+    return out, (
+        *_named(RESIDUAL_X, x),
+        *_named(RESIDUAL_LAYER_OUT, layer_out),
+        *_named(RESIDUAL_COEFFICIENTS, h_post, h_res),
+    )
 
 
 def _post_bwd(config, tensor_axis, residuals, g):
@@ -650,7 +675,13 @@ def _boundary_fwd(config, fallback, tensor_axis, x, layer_out, h_post, h_res, pa
     x_next, layer_in, next_h_post, next_h_res, partials = _apply(
         BOUNDARY_FORWARD, config, _lead(x), *operands, fallback=fallback, tensor_axis=tensor_axis
     )
-    return (layer_in, x_next, next_h_post, next_h_res), (x, layer_out, h_post, h_res, partials, params)
+    saved = (
+        *_named(RESIDUAL_X, x),
+        *_named(RESIDUAL_LAYER_OUT, layer_out),
+        *_named(RESIDUAL_COEFFICIENTS, h_post, h_res),
+        *_named(RESIDUAL_PARTIALS, partials),
+    )
+    return (layer_in, x_next, next_h_post, next_h_res), (*saved, params)
 
 
 def _boundary_bwd(config, fallback, tensor_axis, residuals, cotangents):
@@ -672,7 +703,7 @@ def head(config: Config, x, params: HeadParams):
 
 
 def _head_fwd(config, x, params):
-    return head(config, x, params), (x, params)
+    return head(config, x, params), (*_named(RESIDUAL_X, x), params)
 
 
 def _head_bwd(config, residuals, dout):
