@@ -18,7 +18,8 @@ from mhc.jax import _kernels
 N, D, T = 4, 64, 32
 CONFIG = mj.Config(n=N)
 POLICIES = jax.checkpoint_policies
-ALL = set(_kernels.RESIDUAL_NAMES)
+ALL = set(mj.RESIDUAL_NAMES)
+assert mj.RESIDUAL_NAMES == _kernels.RESIDUAL_NAMES
 
 
 def _problem(seed, layers=3):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
+from mhc.jax._kernels import RESIDUAL_NAMES  # the checkpoint_names of the custom VJPs' residuals
 from mhc.jax._types import (
     Config,
     Context,
@@ -55,6 +56,7 @@ __all__ = [
     "expand",
     "reduce",
     "reference",
+    "RESIDUAL_NAMES",
 ]
 
 
