@@ -1,13 +1,29 @@
-"""Pallas TPU kernels for mHC (a backend beside the CPU and CUDA ones; not yet dispatched to by
-mhc.jax). Every kernel is unverified on TPU hardware: each is checked in TPU interpret mode
-against the float64 reference, lowered to Mosaic, and compiled for v5e/v6e through libtpu's
-compile-only topologies, never run on a chip.
+"""Pallas TPU kernels for mHC (a backend beside the CPU and CUDA ones). Every kernel is unverified
+on TPU hardware: each is checked in TPU interpret mode against the float64 reference, lowered to
+Mosaic, and compiled for v5e/v6e through libtpu's compile-only topologies, never run on a chip.
 
 The functions take and return the flat shapes of mhc.jax's kernel calls (x [T, n, D], Params with
-norm_weight [n D] and phi [n D, N]), so that a dispatch can swap them in."""
+norm_weight [n D] and phi [n D, N]), so that a dispatch can swap them in.
 
+KERNELS is the one place that says which operations this backend has: it maps the name of the C++
+backends' FFI target to a function taking the same operands in the same order,
+``kernel(config, *operands, interpret=None)``, and returning the same results. The dispatch in
+mhc.jax reads it, so a kernel added here is used on a TPU with no other change."""
+
+from mhc.jax._types import Params
 from mhc.tpu._layout import TOKEN_TILES
 from mhc.tpu._post import post_backward, post_forward
 from mhc.tpu._pre import pre_forward
 
-__all__ = ["TOKEN_TILES", "post_backward", "post_forward", "pre_forward"]
+
+def _pre_forward_target(config, x, norm_weight, phi, alpha, bias, *, interpret=None):
+    return pre_forward(config, x, Params(norm_weight, phi, alpha, bias), interpret=interpret)
+
+
+KERNELS = {
+    "mhc_pre_forward": _pre_forward_target,
+    "mhc_post_forward": post_forward,
+    "mhc_post_backward": post_backward,
+}
+
+__all__ = ["KERNELS", "TOKEN_TILES", "post_backward", "post_forward", "pre_forward"]
