@@ -5,12 +5,33 @@ Submodules: ``mhc.jax`` (functional API, custom VJP over the C++ kernels, plain-
 
 ``set_num_threads(k)`` / ``num_threads()``: the CPU kernels' thread pool (its own, not XLA's;
 ``MHC_NUM_THREADS`` sets the default, else every hardware thread; ``k < 1`` restores it).
+
+``tune_allocator()``: an explicit, process-wide opt-in that makes large CPU buffers cheaper to
+allocate; importing mhc changes nothing in the process's allocator.
 """
 
 from importlib.metadata import version as _distribution_version
 
 from mhc._mhc_cpu import num_threads, set_num_threads
 
-__all__ = ["num_threads", "set_num_threads"]
+__all__ = ["num_threads", "set_num_threads", "tune_allocator"]
 # The installed distribution's version, which the build took from include/mhc/version.h.
 __version__ = _distribution_version("mhc")
+
+
+def tune_allocator() -> bool:
+    """Tells glibc's malloc to serve large blocks from the heap and keep freed ones for reuse
+    (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD, 1 GiB)``), for the whole process.
+
+    Why: XLA allocates every output afresh, and glibc maps each block over 32 MiB anew and frees
+    it back to the system, so every call first-touches its large outputs page by page; that costs
+    about as much as the post kernels themselves at T = 8192, D = 4096. The price: the heap keeps
+    its high-water mark, so the resident size after a peak stays at the peak. ``mhc.demo`` and
+    ``mhc.bench`` call it; a library importing mhc should leave the choice to the application.
+
+    Returns True where it applied (glibc), False elsewhere (nothing changed). Call it once, early;
+    it cannot be undone within the process.
+    """
+    from mhc import _mhc_cpu
+
+    return bool(_mhc_cpu.keep_large_blocks_in_heap())

@@ -4,15 +4,9 @@ The CPU handlers always; the CUDA handlers (the _mhc_cuda module, built where nv
 under the same target names for platform "CUDA", so mhc.jax runs on GPU arrays unchanged.
 """
 
-import os
-
 import jax
 
 from mhc import _mhc_cpu
-
-# Large XLA buffers reused from the heap instead of fresh, page-faulting mmaps (see
-# keep_large_blocks_in_heap in src/ffi/cpu_handlers.cc; docs/jax.md, "Large activations on the CPU (memory allocator)").
-MALLOC_TUNED = os.environ.get("MHC_KEEP_MALLOC_DEFAULTS", "0") != "1" and _mhc_cpu.keep_large_blocks_in_heap()
 
 _TARGETS = _mhc_cpu.registrations()
 for _name, _capsule in _TARGETS.items():

@@ -9,11 +9,17 @@ forward+backward) it measures the median time of the kernel path and of the jitt
 max(bytes / copy bandwidth, FLOPs / FMA peak), with both ceilings measured in the same run.
 Peak memory of the sublayer's forward+backward is measured per path in a fresh subprocess.
 
+The allocator (``--allocator``): by default every case runs first with glibc's default malloc
+settings, then again after ``mhc.tune_allocator()`` (which cannot be undone within a process, hence
+this order), and the table shows both kernel and plain times side by side; ``default`` or
+``tuned`` measures one setting only.
+
     python -m mhc.bench                          # the decode table, then the roofline table
     python -m mhc.bench --table roofline         # T in {2048, 8192}, n = 4, D in {1024, 4096}, f32 and bf16
     python -m mhc.bench --table decode           # T in {1, 8, 64}, D in {4096, 7168}: latency in us
     python -m mhc.bench --tokens 1 --dims 64     # the small-shape case
     python -m mhc.bench --batch-axis             # the sublayer with x [1, T, n, D] instead of [T, n, D]
+    python -m mhc.bench --allocator tuned        # only after mhc.tune_allocator() (default: both)
     python -m mhc.bench --json results.json
 """
 
@@ -46,6 +52,7 @@ OPS = (
 BOUNDARY_OPS = ("boundary_fwd", "boundary_fwd_bwd")
 DECODE_TOKENS = (1, 8, 64)
 DECODE_DIMS = (4096, 7168)
+ALLOCATORS = ("both", "default", "tuned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,10 +265,15 @@ def _median_seconds(function, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _memory_probe(s: Shape, use_kernel: bool) -> dict:
-    """Peak resident memory added by one sublayer forward+backward (run in a fresh process)."""
+def _memory_probe(s: Shape, use_kernel: bool, tuned: bool) -> dict:
+    """Peak resident memory added by one sublayer forward+backward (run in a fresh process, after
+    ``mhc.tune_allocator()`` if ``tuned``)."""
     import jax
 
+    import mhc
+
+    if tuned:
+        mhc.tune_allocator()
     config, params, data = _inputs(s)
     function, _ = _functions("sublayer_fwd_bwd", use_kernel, config)
     args = (data["x_sublayer"], params, data["g_sublayer"])
@@ -286,8 +298,8 @@ def _memory_probe(s: Shape, use_kernel: bool) -> dict:
     }
 
 
-def _measure_memory(s: Shape, use_kernel: bool) -> dict:
-    command = [sys.executable, "-m", "mhc.bench", "--_probe", json.dumps([dataclasses.asdict(s), use_kernel])]
+def _measure_memory(s: Shape, use_kernel: bool, tuned: bool) -> dict:
+    command = [sys.executable, "-m", "mhc.bench", "--_probe", json.dumps([dataclasses.asdict(s), use_kernel, tuned])]
     result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         return {"error": result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "probe failed"}
@@ -327,11 +339,29 @@ def machine_info(threads: int) -> dict:
     }
 
 
-def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
+def run(shapes, ops, repeats: int, memory: bool, progress: bool = True, allocator: str = "both") -> dict:
+    """Every case under the allocator setting(s) ``allocator`` (ALLOCATORS): with "both", all of
+    them with glibc's defaults first, then after mhc.tune_allocator(), the tuned times added to
+    the same rows as ``kernel_tuned_ms`` and ``plain_tuned_ms``."""
+    import mhc
     from mhc import _mhc_cpu
 
-    threads = _mhc_cpu.num_threads()
-    machine = machine_info(threads)
+    machine = machine_info(_mhc_cpu.num_threads())
+    machine["allocator"] = allocator
+    if allocator == "tuned":
+        mhc.tune_allocator()
+    rows = _run_cases(shapes, ops, repeats, memory, progress, machine, tuned=allocator == "tuned")
+    if allocator == "both":
+        mhc.tune_allocator()
+        tuned_rows = _run_cases(shapes, ops, repeats, memory, progress, machine, tuned=True)
+        timed = [r for r in rows if r["op"] != "memory_fwd_bwd"]
+        for row, tuned in zip(timed, [r for r in tuned_rows if r["op"] != "memory_fwd_bwd"], strict=True):
+            row["kernel_tuned_ms"], row["plain_tuned_ms"] = tuned["kernel_ms"], tuned["plain_ms"]
+        rows += [r for r in tuned_rows if r["op"] == "memory_fwd_bwd"]
+    return {"machine": machine, "repeats": repeats, "rows": rows}
+
+
+def _run_cases(shapes, ops, repeats: int, memory: bool, progress: bool, machine: dict, tuned: bool) -> list:
     rows = []
     work = [(s, op) for s in shapes for op in ops]
     try:
@@ -345,7 +375,7 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
         data["params"] = params
         for op in ops:
             if bar is not None:
-                bar.set_description(f"{s.label} {op}")
+                bar.set_description(f"{s.label} {op}{' (tuned allocator)' if tuned else ''}")
             times = {}
             for use_kernel in (True, False):
                 function, names = _functions(op, use_kernel, config)
@@ -386,18 +416,44 @@ def run(shapes, ops, repeats: int, memory: bool, progress: bool = True) -> dict:
         if memory:
             for use_kernel, path in ((True, "kernel"), (False, "plain")):
                 rows.append(
-                    {**dataclasses.asdict(s), "op": "memory_fwd_bwd", "path": path, **_measure_memory(s, use_kernel)}
+                    {
+                        **dataclasses.asdict(s),
+                        "op": "memory_fwd_bwd",
+                        "path": path,
+                        "allocator": "tuned" if tuned else "default",
+                        **_measure_memory(s, use_kernel, tuned),
+                    }
                 )
     if bar is not None:
         bar.close()
-    return {"machine": machine, "repeats": repeats, "rows": rows}
+    return rows
+
+
+def _allocator_note(result: dict) -> str:
+    return {
+        "both": "glibc's default allocator; 'tuned': the same after mhc.tune_allocator()",
+        "default": "glibc's default allocator",
+        "tuned": "after mhc.tune_allocator()",
+    }[result["machine"].get("allocator", "default")]
+
+
+def _tuned_columns(r: dict, scale: float, width: int) -> str:
+    """The kernel and plain times after mhc.tune_allocator(), where measured (--allocator both)."""
+    if "kernel_tuned_ms" not in r:
+        return ""
+    digits = 1 if scale > 1 else 3
+    return f" {r['kernel_tuned_ms'] * scale:>{width}.{digits}f} {r['plain_tuned_ms'] * scale:>{width}.{digits}f}"
 
 
 def format_decode_table(result: dict) -> str:
     """Latency in microseconds next to the time of reading the op's minimum bytes once."""
+    both = result["machine"].get("allocator") == "both"
+    tuned_header = f" {'tuned k us':>10} {'tuned p us':>10}" if both else ""
     lines = [
-        "Decode (latency in us; floor = minimum bytes, phi included, at the copy bandwidth):",
-        f"{'shape':<26} {'op':<14} {'kernel us':>10} {'plain us':>10} {'speedup':>8} {'floor us':>9} {'of floor':>9}",
+        "Decode (latency in us; floor = minimum bytes, phi included, at the copy bandwidth; "
+        f"{_allocator_note(result)}):",
+        f"{'shape':<26} {'op':<14} {'kernel us':>10} {'plain us':>10} {'speedup':>8} {'floor us':>9} {'of floor':>9}"
+        + tuned_header,
     ]
     copy = result["machine"]["copy_gbs"]
     for r in result["rows"]:
@@ -408,6 +464,7 @@ def format_decode_table(result: dict) -> str:
         lines.append(
             f"{shape:<26} {r['op']:<14} {r['kernel_ms'] * 1e3:>10.1f} {r['plain_ms'] * 1e3:>10.1f} "
             f"{r['speedup']:>7.2f}x {floor_us:>9.1f} {floor_us / (r['kernel_ms'] * 1e3):>8.0%}"
+            + _tuned_columns(r, 1e3, 10)
         )
     return "\n".join(lines)
 
@@ -421,10 +478,11 @@ def format_table(result: dict) -> str:
             if m["fma_peak_gflops"] is not None
             else "compute ceiling not measured (GPU: floor = bytes / copy bandwidth)"
         )
-        + f" ({m['date']}; medians of {result['repeats']})",
+        + f" ({m['date']}; medians of {result['repeats']}; {_allocator_note(result)})",
         "",
         f"{'shape':<26} {'op':<17} {'kernel ms':>10} {'plain ms':>10} {'speedup':>8} {'GB/s':>7} "
-        f"{'GFLOP/s':>8} {'floor ms':>9} {'bound':>8} {'roofline':>9}",
+        f"{'GFLOP/s':>8} {'floor ms':>9} {'bound':>8} {'roofline':>9}"
+        + (f" {'tuned k ms':>10} {'tuned p ms':>10}" if m.get("allocator") == "both" else ""),
     ]
     shape_of = lambda r: f"{'1x' if r.get('batch_axis') else ''}T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"  # noqa: E731
     for r in result["rows"]:
@@ -433,7 +491,7 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{shape_of(r):<26} {r['op']:<17} {r['kernel_ms']:>10.3f} {r['plain_ms']:>10.3f} {r['speedup']:>7.2f}x "
             f"{r['kernel_gbs']:>7.2f} {r['kernel_gflops']:>8.2f} {r['roofline_floor_ms']:>9.3f} {r['bound']:>8} "
-            f"{r['roofline_fraction']:>8.0%}"
+            f"{r['roofline_fraction']:>8.0%}" + _tuned_columns(r, 1.0, 10)
         )
     boundary = [r for r in result["rows"] if "separate_ms" in r]
     if boundary:
@@ -450,10 +508,10 @@ def format_table(result: dict) -> str:
         lines += ["", "Peak memory added by one sublayer forward+backward (fresh process; XLA temp buffers):"]
         for r in memory:
             if "error" in r:
-                lines.append(f"{shape_of(r):<26} {r['path']:<7} error: {r['error']}")
+                lines.append(f"{shape_of(r):<26} {r['path']:<7} {r['allocator']:<8} error: {r['error']}")
             else:
                 lines.append(
-                    f"{shape_of(r):<26} {r['path']:<7} {r['peak_added_bytes'] / 2**20:>9.1f} MiB"
+                    f"{shape_of(r):<26} {r['path']:<7} {r['allocator']:<8} {r['peak_added_bytes'] / 2**20:>9.1f} MiB"
                     f"   (XLA temp {r['xla_temp_bytes'] / 2**20:.1f} MiB)"
                 )
     return "\n".join(lines)
@@ -481,13 +539,20 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per median")
     parser.add_argument("--threads", type=int, default=0, help="mhc threads (default: MHC_NUM_THREADS or all)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument(
+        "--allocator",
+        default="both",
+        choices=ALLOCATORS,
+        help="both: every case with glibc's default malloc settings, then after mhc.tune_allocator(); "
+        "default or tuned: that setting only",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--_probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
     if args._probe:
-        shape, use_kernel = json.loads(args._probe)
-        print(json.dumps(_memory_probe(Shape(**shape), use_kernel)))
+        shape, use_kernel, tuned = json.loads(args._probe)
+        print(json.dumps(_memory_probe(Shape(**shape), use_kernel, tuned)))
         return 0
     for name in ("tokens", "dims", "decode_tokens", "decode_dims"):
         if any(v < 1 for v in getattr(args, name)):
@@ -509,7 +574,7 @@ def main(argv=None) -> int:
         ]
         ops = [op for op in args.ops if op in OPS[:4]]
         # More repeats: each call is short, and the median of few is noisy.
-        output["decode"] = run(shapes, ops, max(args.repeats, 50), memory=False)
+        output["decode"] = run(shapes, ops, max(args.repeats, 50), memory=False, allocator=args.allocator)
         print(format_decode_table(output["decode"]))
     if args.table in ("roofline", "both"):
         shapes = [
@@ -518,7 +583,7 @@ def main(argv=None) -> int:
             for t in args.tokens
             for d in args.dims
         ]
-        output["roofline"] = run(shapes, args.ops, args.repeats, memory=not args.no_memory)
+        output["roofline"] = run(shapes, args.ops, args.repeats, memory=not args.no_memory, allocator=args.allocator)
         if "decode" in output:
             print()
         print(format_table(output["roofline"]))

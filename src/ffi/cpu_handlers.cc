@@ -257,11 +257,11 @@ NB_MODULE(_mhc_cpu, module) {
   module.doc() = "XLA FFI handlers of mhc for the CPU platform";
   // glibc serves every block over its mmap threshold (at most 32 MiB, whatever mallopt asks) with
   // a fresh mmap, so each large XLA output is zero-filled page by page on first touch: the post
-  // operations inside JAX ran at half the speed of the kernels alone. With mmap off and a high
-  // trim threshold, freed large blocks stay in the heap and are reused. Process-wide: the heap
-  // keeps its high-water mark instead of returning freed large blocks to the system. Python
-  // calls this at import unless MHC_KEEP_MALLOC_DEFAULTS=1 (mhc/_ffi.py). Returns whether it
-  // applied (glibc only).
+  // operations inside JAX ran at a third to half the speed of the kernels alone. With mmap off and
+  // a high trim threshold, freed large blocks stay in the heap and are reused. Process-wide (the
+  // heap keeps its high-water mark instead of returning freed large blocks to the system), so
+  // nothing calls it by default: mhc.tune_allocator() is the explicit opt-in (mhc/__init__.py).
+  // Returns whether it applied (glibc only).
   module.def("keep_large_blocks_in_heap", []() {
 #if defined(__GLIBC__)
     constexpr int kTrimThreshold = 1 << 30;

@@ -8,7 +8,17 @@ import jax
 import numpy as np
 import pytest
 
+import mhc
 from mhc import bench
+
+
+@pytest.fixture
+def tune_calls(monkeypatch):
+    """Records mhc.tune_allocator() calls instead of changing this test process's allocator for
+    every later test (test_allocator.py checks the real call in a subprocess)."""
+    calls = []
+    monkeypatch.setattr(mhc, "tune_allocator", lambda: calls.append(1) or True)
+    return calls
 
 
 @pytest.mark.parametrize("batch_axis", [False, True])
@@ -57,7 +67,7 @@ def test_byte_and_flop_counts_follow_the_spec():
     assert bench.flop_count("pre_forward", s) == (2 * 4 * 8 * 24 + 2 * 4 * 8) * 3
 
 
-def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
+def test_main_prints_the_table_and_writes_json(tmp_path, capsys, tune_calls):
     # Three kinds of row (an operation, a boundary with its two-call time, the head): the table and
     # JSON plumbing; test_kernel_and_plain_functions_agree compiles every operation.
     ops = ["pre_forward", "boundary_fwd", "head_fwd_bwd"]
@@ -69,6 +79,9 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     for op in ops:
         assert op in table
     assert "Peak memory" in table and "kernel" in table and "plain" in table
+    # --allocator both (the default): every case again after one tune_allocator() call.
+    assert len(tune_calls) == 1 and "tuned k ms" in table
+    assert result_allocator(path) == "both"
     result = json.loads(path.read_text())
     assert result["machine"]["copy_gbs"] > 0 and result["machine"]["fma_peak_gflops"] > 0
     timed = [r for r in result["rows"] if r["op"] in bench.OPS]
@@ -76,25 +89,37 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys):
     for row in timed:
         assert row["kernel_ms"] > 0 and row["plain_ms"] > 0 and row["roofline_fraction"] > 0
         assert ("separate_ms" in row) == (row["op"] in bench.BOUNDARY_OPS), row
+        assert row["kernel_tuned_ms"] > 0 and row["plain_tuned_ms"] > 0
     assert "two kernel calls" in table
     memory = [r for r in result["rows"] if r["op"] == "memory_fwd_bwd"]
-    assert {r["path"] for r in memory} == {"kernel", "plain"}
+    assert {(r["path"], r["allocator"]) for r in memory} == {
+        (path, allocator) for path in ("kernel", "plain") for allocator in ("default", "tuned")
+    }
     assert all("peak_added_bytes" in r for r in memory), memory
 
 
-def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys):
+def result_allocator(path):
+    return json.loads(path.read_text())["machine"]["allocator"]
+
+
+def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys, tune_calls):
     path = tmp_path / "bench.json"
     argv = ["--table", "decode", "--decode-tokens", "2", "--decode-dims", "8", "--dtypes", "f32"]
+    argv += ["--allocator", "default"]
     assert bench.main(argv + ["--json", str(path)]) == 0
     table = capsys.readouterr().out
     assert "Decode" in table and "kernel us" in table and "floor us" in table
     rows = json.loads(path.read_text())["decode"]["rows"]
     assert {(r["tokens"], r["op"]) for r in rows} == {(2, op) for op in bench.OPS[:4]}
     assert all(r["kernel_ms"] > 0 and r["minimum_bytes"] > 0 for r in rows)
+    # One setting only: the allocator left alone, no tuned columns.
+    assert not tune_calls and "tuned" not in table and all("kernel_tuned_ms" not in r for r in rows)
 
 
 @pytest.mark.parametrize(
-    "argv", [["--tokens", "0"], ["--repeats", "0"], ["--dtypes", "f16"], ["--decode-dims", "0"], ["--table", "x"]]
+    "argv",
+    [["--tokens", "0"], ["--repeats", "0"], ["--dtypes", "f16"], ["--decode-dims", "0"], ["--table", "x"]]
+    + [["--allocator", "glibc"]],
 )
 def test_bad_flags_are_rejected(argv):
     with pytest.raises(SystemExit):
