@@ -25,7 +25,6 @@ ArgumentChecker::ArgumentChecker(const char* op, const Config& config)
   dims_.D = local_dim(config);
   dims_.M = config.n * dims_.D;
   dims_.M_full = flat_width(config);
-  dims_.R = residual_logits(config);
   dims_.N = projection_width(config);
 }
 
@@ -107,7 +106,6 @@ void ArgumentChecker::head_grads(const HeadGrads& grads) {
 
 void ArgumentChecker::head() {
   dims_.pre_gates_only = true;
-  dims_.R = 0;
   dims_.N = dims_.n;
 }
 

@@ -20,9 +20,8 @@ struct Dims {
   int64_t D = 0;  // features per stream in this call's tensors (a slice when tensor_parallel > 1)
   int64_t M = 0;  // n*D
   int64_t M_full = 0;  // n * config.dim: the values one token's RMS averages over, all slices
-  int64_t R = 0;       // residual logits
-  int64_t N = 0;       // projection width 2n + R
-  // The head (mhc::head_forward): the pre operations with only the pre gates, N = n and R = 0.
+  int64_t N = 0;       // projection width 2n + R (R residual logits)
+  // The head (mhc::head_forward): the pre operations with only the pre gates, N = n.
   bool pre_gates_only = false;
 };
 

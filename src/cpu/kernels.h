@@ -20,7 +20,8 @@ T* workspace(std::vector<T>& storage, size_t count) {
   return storage.data();
 }
 
-// Calls body(X{}) with X the activation type (float or bf16) of `dtype`.
+// The one dtype dispatch of the CPU backend: calls body(X{}) with X the activation type (float or
+// bf16) of `dtype`.
 template <class Body>
 void with_activation_type(DType dtype, Body body) {
   if (dtype == DType::bf16) {
@@ -28,6 +29,14 @@ void with_activation_type(DType dtype, Body body) {
   } else {
     body(float{});
   }
+}
+
+// body(X{}, L{}) for the post operations' pair of dtypes: x (and the streams) and layer_out.
+template <class Body>
+void with_activation_types(DType x_dtype, DType layer_out_dtype, Body body) {
+  with_activation_type(x_dtype, [&](auto x_tag) {
+    with_activation_type(layer_out_dtype, [&](auto lo_tag) { body(x_tag, lo_tag); });
+  });
 }
 
 void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,

@@ -21,24 +21,14 @@ namespace mhc::cpu {
 namespace {
 
 using simd::Lanes8;
+using simd::sum8;
+using simd::Wide8;
+using simd::widen;
 
 inline float scalar(float v) { return v; }
 inline float scalar(bf16 v) { return to_float(v); }
 inline void put(float* p, float v) { *p = v; }
 inline void put(bf16* p, float v) { *p = to_bf16(v); }
-
-// Eight features widened to double: one AVX-512 register in the v4 clone, two AVX ones in v3.
-typedef double Wide8 __attribute__((vector_size(64)));
-
-// Helpers take vectors by pointer: by value would change the ABI between the clones.
-MHC_INLINE void widen(const Lanes8* v, Wide8* out) { *out = __builtin_convertvector(*v, Wide8); }
-
-// Fixed-order sum of the eight lanes.
-MHC_INLINE double sum8(const Wide8* v) {
-  const Wide8& w = *v;
-  const double s0 = w[0] + w[4], s1 = w[1] + w[5], s2 = w[2] + w[6], s3 = w[3] + w[7];
-  return (s0 + s2) + (s1 + s3);
-}
 
 // out[j] = h_post[j] layer_out + sum_i h_res[i][j] x[i] for one token.
 template <int kFixed, class X, class L>
@@ -191,24 +181,13 @@ void over_token_tiles(const detail::Dims& dims, Body body) {
   });
 }
 
-// Calls fn with typed pointers for the (x dtype, layer_out dtype) pair.
-template <class Fn>
-void dispatch(DType x_dtype, DType layer_out_dtype, Fn fn) {
-  if (x_dtype == DType::bf16) {
-    if (layer_out_dtype == DType::bf16) return fn(bf16{}, bf16{});
-    return fn(bf16{}, 0.0f);
-  }
-  if (layer_out_dtype == DType::bf16) return fn(0.0f, bf16{});
-  return fn(0.0f, 0.0f);
-}
-
 }  // namespace
 
 void post_forward(const Config&, const detail::Dims& dims, const TensorRef& x,
                   const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
                   const MutableTensorRef& out) {
   if (dims.T == 0) return;
-  dispatch(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
+  with_activation_types(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
     using X = decltype(x_tag);
     using L = decltype(lo_tag);
     over_token_tiles(dims, [&](int64_t begin, int64_t end) {
@@ -224,7 +203,7 @@ void post_backward(const Config&, const detail::Dims& dims, const TensorRef& g, 
                    const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
                    const PostBackwardOutputs& outputs) {
   if (dims.T == 0) return;
-  dispatch(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
+  with_activation_types(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
     using X = decltype(x_tag);
     using L = decltype(lo_tag);
     over_token_tiles(dims, [&](int64_t begin, int64_t end) {

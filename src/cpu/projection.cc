@@ -580,7 +580,7 @@ MHC_CLONES void weight_grad_sums(const float* x, const float* dP, int64_t tokens
 MHC_CLONES void finish_weight_sums(const float* S, int64_t width, int64_t N, int64_t m0,
                                    const float* norm_weight, const float* phi, float* dphi,
                                    float* dnorm_weight) {
-  typedef double Wide8 __attribute__((vector_size(64)));
+  using simd::Wide8;
   int64_t j = 0;
   if (N >= kLanes) {
     // 8 rows at a time: blocks of 8 columns c transposed in registers, so dphi is stored along c

@@ -41,8 +41,6 @@ inline constexpr int64_t kLanes = 8;
 // Eight f32 lanes as one value: one AVX register in the v3 and v4 clones, two SSE registers in
 // the baseline one.
 typedef float Lanes8 __attribute__((vector_size(32)));
-typedef float Lanes4 __attribute__((vector_size(16)));
-typedef double Wide4 __attribute__((vector_size(32)));
 // The same lanes at any element-aligned address, for loads and stores straight from arrays (the
 // accumulators then stay in registers; memcpy into arrays of vectors made GCC keep them on the
 // stack).
@@ -84,23 +82,19 @@ MHC_INLINE void load_any(Lanes8* v, const bf16* p) { load_bf16(v, p); }
 MHC_INLINE void store_any(float* p, const Lanes8* v) { store(p, v); }
 MHC_INLINE void store_any(bf16* p, const Lanes8* v) { store_bf16(p, v); }
 
-// The eight lanes widened to double, as two halves.
-MHC_INLINE void widen8(const Lanes8* v, Wide4* low, Wide4* high) {
-  *low = __builtin_convertvector(__builtin_shufflevector(*v, *v, 0, 1, 2, 3), Wide4);
-  *high = __builtin_convertvector(__builtin_shufflevector(*v, *v, 4, 5, 6, 7), Wide4);
-}
+// Eight f32 lanes widened to double: one AVX-512 register in the v4 clone, two AVX ones in v3.
+// Reductions whose signed terms can cancel accumulate in these lanes.
+typedef double Wide8 __attribute__((vector_size(64)));
 
-// The eight lanes rounded to f32.
-MHC_INLINE void narrow8(const Wide4* low, const Wide4* high, Lanes8* v) {
-  const Lanes4 a = __builtin_convertvector(*low, Lanes4);
-  const Lanes4 b = __builtin_convertvector(*high, Lanes4);
-  *v = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7);
-}
+MHC_INLINE void widen(const Lanes8* v, Wide8* out) { *out = __builtin_convertvector(*v, Wide8); }
 
-// Fixed-order sum of the eight double lanes.
-MHC_INLINE double sum8(const Wide4* low, const Wide4* high) {
-  const Wide4 s = *low + *high;
-  return (s[0] + s[2]) + (s[1] + s[3]);
+// The one fixed-order sum of eight double lanes that every reduction uses, so a result depends on
+// the length only, never on the blocking or the SIMD level:
+// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+MHC_INLINE double sum8(const Wide8* v) {
+  const Wide8& w = *v;
+  const double s0 = w[0] + w[4], s1 = w[1] + w[5], s2 = w[2] + w[6], s3 = w[3] + w[7];
+  return (s0 + s2) + (s1 + s3);
 }
 
 }  // namespace mhc::cpu::simd

@@ -9,14 +9,7 @@ namespace mhc::cpu {
 
 namespace {
 using simd::kLanes;
-
-// Fixed-order combination of the lane partial sums and the scalar tail.
-inline double combine_wide(const double* lanes, double tail) {
-  const double low = (lanes[0] + lanes[4]) + (lanes[2] + lanes[6]);
-  const double high = (lanes[1] + lanes[5]) + (lanes[3] + lanes[7]);
-  return (low + high) + tail;
-}
-
+using simd::Wide8;
 }  // namespace
 
 MHC_CLONES void widen(const bf16* src, float* dst, int64_t count) {
@@ -42,16 +35,8 @@ MHC_CLONES void narrow(const float* src, bf16* dst, int64_t count) {
   for (; k < count; ++k) dst[k] = to_bf16(src[k]);
 }
 
-// Eight double lanes as one value (one AVX-512 register in the v4 clone); lane l sums the
-// elements k = l mod 8, as the scalar description in vector_math.h.
-typedef double Wide8 __attribute__((vector_size(64)));
-
-MHC_INLINE double combine_lanes(const Wide8* lanes, double tail) {
-  double values[kLanes];
-  __builtin_memcpy(values, lanes, sizeof(values));
-  return combine_wide(values, tail);
-}
-
+// Lane l sums the elements k = l mod 8; the lanes are combined in simd::sum8's fixed order, then
+// the scalar tail is added.
 MHC_CLONES double dot(const float* a, const float* b, int64_t count) {
   Wide8 lanes = {};
   int64_t k = 0;
@@ -63,7 +48,7 @@ MHC_CLONES double dot(const float* a, const float* b, int64_t count) {
   }
   double tail = 0.0;
   for (; k < count; ++k) tail += static_cast<double>(a[k]) * b[k];
-  return combine_lanes(&lanes, tail);
+  return simd::sum8(&lanes) + tail;
 }
 
 MHC_CLONES double sum_squares(const float* x, int64_t count) {
@@ -77,7 +62,7 @@ MHC_CLONES double sum_squares(const float* x, int64_t count) {
   }
   double tail = 0.0;
   for (; k < count; ++k) tail += static_cast<double>(x[k]) * x[k];
-  return combine_lanes(&lanes, tail);
+  return simd::sum8(&lanes) + tail;
 }
 
 MHC_CLONES void weighted_rows(const float* rows, int64_t count, const float* weights, int64_t D,
