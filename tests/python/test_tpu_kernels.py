@@ -207,12 +207,21 @@ def test_every_tile_lowers_for_tpu(tile, dtype):
 
 
 def test_default_tiles_follow_the_vmem_plan():
-    """Small problems get the largest tile; a token of every stream too large for the budget is a
-    clear error, not a kernel that fails to compile."""
+    """Small problems get the largest tile; DeepSeek-V4's widths (n = 4, D = 4096, V4.1's 5120,
+    7168) fit every chip's budget at some tile, a v5e/v6e's 128 MiB at a tile of 128 or more; a
+    token of every stream too large for the budget is a clear error naming it, not a kernel that
+    fails to compile."""
     config = mj.Config(n=4)
+    layout = mhc.tpu._layout
     assert mhc.tpu._pre.token_tile(config, 130, jnp.float32) == mhc.tpu.TOKEN_TILES[0]
-    assert mhc.tpu._pre.token_tile(config, 2048, jnp.bfloat16) in mhc.tpu.TOKEN_TILES
-    with pytest.raises(ValueError, match=r"mhc.tpu.pre_forward: .*VMEM.*n \* D is too large"):
+    assert layout.chip_vmem() == layout.DEFAULT_VMEM  # no TPU here: the 64 MiB default
+    for d in (4096, 5120, 7168):
+        for dtype in (jnp.bfloat16, jnp.float32):
+            for capacity in (layout.DEFAULT_VMEM, layout.VMEM_BY_DEVICE_KIND["TPU v5 lite"]):
+                tile = mhc.tpu._pre.token_tile(config, d, dtype, capacity)
+                assert tile in mhc.tpu.TOKEN_TILES
+                assert capacity == layout.DEFAULT_VMEM or tile >= 128, (d, dtype, tile)
+    with pytest.raises(ValueError, match=r"mhc.tpu.pre_forward: .*VMEM.*48 MiB budget.*n \* D is too large"):
         mhc.tpu._pre.token_tile(mj.Config(n=8), 65536, jnp.float32)
 
 

@@ -20,17 +20,26 @@ from __future__ import annotations
 
 import math
 
+import jax
+
 LANES = 128
 SUBLANES = 8
-# Token tiles the wrappers choose from, largest first. Multiples of 128: the pre kernel's
-# coefficient outputs carry the tokens in the lanes.
-TOKEN_TILES = (512, 256, 128)
+# Token tiles the wrappers choose from, largest first. Multiples of 16 (bf16 packs two tokens to a
+# sublane row). The pre kernels' coefficient outputs carry the tokens in the lanes, as
+# [token tiles, rows, tile] so that a tile under 128 lanes is a whole last dimension; 64 and 32
+# are for large n D (DeepSeek-V4's D = 7168), where a tile of 128 would not fit VMEM.
+TOKEN_TILES = (512, 256, 128, 64, 32)
 # The post kernels' largest feature chunk (lanes).
 FEATURE_CHUNK_LANES = 512
 # VMEM the plan may fill (the compiler gets VMEM_LIMIT, the rest is its own headroom). v5e and
 # v6e have 128 MiB of VMEM per core, v7x 64 MiB: 48 MiB fits all three.
 VMEM_BUDGET = 48 * 2**20
 VMEM_LIMIT = 64 * 2**20
+# VMEM per core by jax's device_kind: v5e and v6e 128 MiB, v7x 64 MiB (Google Cloud's TPU
+# specifications). Other chips (v4, v5p, unknown, or no TPU: the interpreter) get the 64 MiB the
+# budget above assumes.
+VMEM_BY_DEVICE_KIND = {"TPU v5 lite": 128 * 2**20, "TPU v6 lite": 128 * 2**20, "TPU7x": 64 * 2**20}
+DEFAULT_VMEM = 64 * 2**20
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -76,16 +85,37 @@ def coefficient_rows(n: int) -> int:
     return (2 + n) * group_rows(n)
 
 
-def choose_token_tile(operation: str, per_token_bytes: int, fixed_bytes: int) -> int:
-    """The largest tile of TOKEN_TILES whose VMEM estimate fits VMEM_BUDGET; a clear error when
+def chip_vmem() -> int:
+    """VMEM per core of the chip jax traces for: the default device (jax.default_device, as
+    scripts/tpu_compile.py sets for a compile-only topology) or else the first device of the
+    default backend; DEFAULT_VMEM for a chip not in VMEM_BY_DEVICE_KIND or a host without a TPU."""
+    device = jax.config.jax_default_device
+    if not hasattr(device, "device_kind"):
+        device = jax.devices()[0]
+    return VMEM_BY_DEVICE_KIND.get(device.device_kind, DEFAULT_VMEM)
+
+
+def vmem_budget(capacity: int) -> int:
+    """VMEM a kernel's plan may fill on a chip with `capacity` bytes: three quarters (48 MiB of
+    64, 96 of 128); the compiler's own scratch and the estimate's slack take the rest."""
+    return capacity * 3 // 4
+
+
+def vmem_limit(capacity: int) -> int:
+    """The scoped VMEM limit asked of the compiler: seven eighths of the chip's VMEM."""
+    return capacity * 7 // 8
+
+
+def choose_token_tile(operation: str, per_token_bytes: int, fixed_bytes: int, budget: int = VMEM_BUDGET) -> int:
+    """The largest tile of TOKEN_TILES whose VMEM estimate fits `budget`; a clear error when
     even the smallest does not (the kernels keep one token tile of every stream resident)."""
     for tile in TOKEN_TILES:
-        if tile * per_token_bytes + fixed_bytes <= VMEM_BUDGET:
+        if tile * per_token_bytes + fixed_bytes <= budget:
             return tile
     smallest = TOKEN_TILES[-1]
     raise ValueError(
         f"mhc.tpu.{operation}: a tile of {smallest} tokens needs about "
         f"{(smallest * per_token_bytes + fixed_bytes) / 2**20:.1f} MiB of VMEM, over the "
-        f"{VMEM_BUDGET / 2**20:.0f} MiB budget: n * D is too large for the TPU kernels "
+        f"{budget / 2**20:.0f} MiB budget of this chip: n * D is too large for the TPU kernels "
         "(they keep every stream of a token tile in VMEM)"
     )

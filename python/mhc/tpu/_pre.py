@@ -66,13 +66,13 @@ def _sinkhorn(config: Config, logits, g: int):
     return rows
 
 
-def _kernel(*refs, config: Config, features: int, padded: int, dtype):
-    if config.mix == "permutations":
-        x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref = refs
-    else:
-        x_ref, weight_ref, scale_ref, bias_ref, layer_in_ref, coefficients_ref = refs
+def pre_body(x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref, *, config, features):
+    """Spec: Forward steps 1-6 for one token tile of x_ref [tile, n, Dp] (an input block, or the
+    boundary kernel's x_next output block, already in VMEM): layer_in_ref [tile, Dp] and
+    coefficients_ref [coefficient rows, tile] (tokens in the lanes). table_ref: the permutation
+    table, or None (Sinkhorn)."""
     n, g = config.n, _layout.group_rows(config.n)
-    tile = x_ref.shape[0]
+    tile, padded = x_ref.shape[0], x_ref.shape[2]
     logits = jnp.zeros((weight_ref.shape[0], tile), _F32)
     squares = jnp.zeros((_layout.SUBLANES, tile), _F32)
     ones = jnp.ones((_layout.SUBLANES, padded), _F32)
@@ -106,7 +106,25 @@ def _kernel(*refs, config: Config, features: int, padded: int, dtype):
     layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)
     for k in range(1, n):
         layer_in += gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32)
-    layer_in_ref[...] = layer_in.astype(dtype)
+    layer_in_ref[...] = layer_in.astype(layer_in_ref.dtype)
+
+
+def _kernel(*refs, config: Config, features: int):
+    if config.mix == "permutations":
+        x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref = refs
+    else:
+        (x_ref, weight_ref, scale_ref, bias_ref, layer_in_ref, coefficients_ref), table_ref = refs, None
+    pre_body(
+        x_ref,
+        weight_ref,
+        scale_ref,
+        bias_ref,
+        table_ref,
+        layer_in_ref,
+        coefficients_ref,
+        config=config,
+        features=features,
+    )
 
 
 def _transposed_weight(config: Config, params: Params, features: int, padded: int):
@@ -132,17 +150,105 @@ def _transposed_weight(config: Config, params: Params, features: int, padded: in
     return weight, scale, bias
 
 
-def token_tile(config: Config, d: int, dtype) -> int:
-    """The token tile pre_forward chooses for x [T, n, d] of dtype (from the VMEM plan)."""
-    padded = _layout.padded_features(d)
-    size = jnp.dtype(dtype).itemsize
-    rows = _layout.logit_rows(config.n, config.mix)
-    # Double-buffered x and layer_in tiles, three f32 temporaries of one stream, the logits and
-    # the coefficient output (double-buffered); the weight, double-buffered, is fixed.
+def token_tile(config: Config, d: int, dtype, capacity: int | None = None) -> int:
+    """The token tile pre_forward chooses for x [T, n, d] of dtype on a chip with `capacity` bytes
+    of VMEM (default: the chip traced for, _layout.chip_vmem) from the VMEM plan."""
+    padded, size = _layout.padded_features(d), jnp.dtype(dtype).itemsize
+    # Double-buffered x and layer_in tiles.
     per_token = 2 * _layout.stream_sublanes(config.n, size) * padded * size + 2 * padded * size
-    per_token += 3 * padded * 4 + 4 * rows * 4
-    fixed = 2 * rows * config.n * padded * 4
-    return _layout.choose_token_tile("pre_forward", per_token, fixed)
+    return _layout.choose_token_tile(
+        "pre_forward",
+        per_token + coefficient_bytes_per_token(config, padded),
+        parameter_bytes(config, padded),
+        _budget(capacity),
+    )
+
+
+def coefficient_bytes_per_token(config: Config, padded: int) -> int:
+    """VMEM per token of the coefficient step: three f32 temporaries of one stream (its cast, its
+    square, the pre-apply's sum), the logits and the double-buffered coefficient output."""
+    return 3 * padded * 4 + (_layout.logit_rows(config.n, config.mix) + 2 * _layout.coefficient_rows(config.n)) * 4
+
+
+def parameter_bytes(config: Config, padded: int) -> int:
+    """VMEM of the projection weight, the alpha/bias columns, the permutation table and the
+    sum-of-squares ones, each single-buffered (their block never changes)."""
+    n, rows = config.n, _layout.logit_rows(config.n, config.mix)
+    table = n * _layout.group_rows(n) * rows if config.mix == "permutations" else 0
+    return (rows * n * padded + 2 * rows * _layout.LANES + table + _layout.SUBLANES * padded) * 4
+
+
+def _budget(capacity: int | None) -> int:
+    return _layout.vmem_budget(capacity or _layout.chip_vmem())
+
+
+def compiler_params(capacity: int | None = None):
+    """One "parallel" token grid; the scoped VMEM limit of the chip traced for."""
+    return pltpu.CompilerParams(
+        dimension_semantics=("parallel",), vmem_limit_bytes=_layout.vmem_limit(capacity or _layout.chip_vmem())
+    )
+
+
+def check_params(operation: str, config: Config, x, params: Params):
+    """x [T, n, D] f32/bf16 and Params of that n D and the config's projection width, or a
+    ValueError naming the argument."""
+    t, n, d = x.shape
+    if n != config.n:
+        raise ValueError(f"mhc.tpu.{operation}: x: expected n = {config.n} streams (axis 1), got shape {x.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"mhc.tpu.{operation}: x: expected float32 or bfloat16, got {x.dtype}")
+    m, width = n * d, config.projection_width
+    for name, value, shape in zip(Params._fields, params, ((m,), (m, width), (3,), (width,)), strict=True):
+        if np.shape(value) != shape:
+            raise ValueError(
+                f"mhc.tpu.{operation}: params.{name}: expected shape {shape} for x {x.shape}, got {np.shape(value)}"
+            )
+
+
+def check_tile(operation: str, tile):
+    if tile is not None and tile not in _layout.TOKEN_TILES:
+        raise ValueError(f"mhc.tpu.{operation}: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
+
+
+def parameter_operands(config: Config, params: Params, d: int):
+    """(operands, block specs) of the projection for a grid over token tiles: the transposed
+    weight, the alpha and bias columns and (permutations) the table, each one whole block fetched
+    once (single-buffered: its index never changes)."""
+    weight, scale, bias = _transposed_weight(config, params, d, _layout.padded_features(d))
+    operands = [weight, scale, bias]
+    if config.mix == "permutations":
+        operands.append(jnp.asarray(_permutation_table(config.n)))
+    specs = [pl.BlockSpec(a.shape, lambda *_: (0, 0), pipeline_mode=pl.Buffered(buffer_count=1)) for a in operands]
+    return operands, specs
+
+
+def coefficient_output(config: Config, t: int, tile: int):
+    """(block spec, shape) of the coefficient output for a grid over token tiles: [token tiles,
+    coefficient rows, tile], the tokens in the lanes; the tile is a whole last dimension, so any
+    tile of TOKEN_TILES is a legal block (128 lanes or not)."""
+    rows = _layout.coefficient_rows(config.n)
+    return (
+        pl.BlockSpec((None, rows, tile), lambda i, *_: (i, 0, 0)),
+        jax.ShapeDtypeStruct((pl.cdiv(t, tile), rows, tile), _F32),
+    )
+
+
+def split_coefficients(config: Config, coefficients, t: int):
+    """(h_pre [T, n], h_post [T, n], h_res [T, n, n]) from the kernel's [tiles, rows, tile]."""
+    n, g = config.n, _layout.group_rows(config.n)
+    tiles, rows, tile = coefficients.shape
+    coefficients = jnp.transpose(coefficients, (1, 0, 2)).reshape(2 + n, g, tiles * tile)[:, :n, :t]
+    return coefficients[0].T, coefficients[1].T, jnp.transpose(coefficients[2:], (2, 0, 1))
+
+
+def coefficient_cost(config: Config, t: int, padded: int) -> tuple[int, int, int]:
+    """(flops, transcendentals, bytes) of the coefficient step for t tokens: the projection and the
+    sum of squares over every stream, the gates and Sinkhorn; the bytes of the coefficients
+    written and of the parameters read once."""
+    n, g, rows = config.n, _layout.group_rows(config.n), _layout.logit_rows(config.n, config.mix)
+    iterations = config.sinkhorn_iters if config.mix == "sinkhorn" else 0
+    flops = t * (2 * n * padded * (rows + _layout.SUBLANES + 1) + 6 * iterations * n * g)
+    return flops, t * (rows + 1), t * _layout.coefficient_rows(n) * 4 + parameter_bytes(config, padded)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
@@ -150,24 +256,12 @@ def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, i
     """(layer_in [T, D] in x's dtype, h_pre [T, n], h_post [T, n], h_res [T, n, n] f32) for
     x [T, n, D] f32 or bf16 and Params in the kernels' layout (norm_weight [n D], phi [n D, N]):
     the contract of mhc.jax's pre_forward kernel. `tile`: the token tile (one of
-    mhc.tpu.TOKEN_TILES; default from the VMEM plan). `interpret`: pltpu.InterpretParams to run
-    in the TPU interpreter."""
+    mhc.tpu.TOKEN_TILES; default from the VMEM plan of the chip traced for). `interpret`:
+    pltpu.InterpretParams to run in the TPU interpreter."""
+    check_params("pre_forward", config, x, params)
+    check_tile("pre_forward", tile)
     t, n, d = x.shape
-    if n != config.n:
-        raise ValueError(f"mhc.tpu.pre_forward: x: expected n = {config.n} streams (axis 1), got shape {x.shape}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"mhc.tpu.pre_forward: x: expected float32 or bfloat16, got {x.dtype}")
-    m, width = n * d, config.projection_width
-    for name, value, shape in zip(Params._fields, params, ((m,), (m, width), (3,), (width,)), strict=True):
-        if np.shape(value) != shape:
-            raise ValueError(
-                f"mhc.tpu.pre_forward: params.{name}: expected shape {shape} for x {x.shape}, got {np.shape(value)}"
-            )
-    if tile is None:
-        tile = token_tile(config, d, x.dtype)
-    elif tile not in _layout.TOKEN_TILES:
-        raise ValueError(f"mhc.tpu.pre_forward: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
-    g = _layout.group_rows(n)
+    tile = tile or token_tile(config, d, x.dtype)
     if t == 0:
         return (
             jnp.zeros((0, d), x.dtype),
@@ -176,44 +270,22 @@ def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, i
             jnp.zeros((0, n, n), _F32),
         )
     padded = _layout.padded_features(d)
-    weight, scale, bias = _transposed_weight(config, params, d, padded)
-    x_padded = jnp.pad(x, ((0, 0), (0, 0), (0, padded - d)))
-    rows, coefficient_rows = weight.shape[0], _layout.coefficient_rows(n)
-    whole = lambda i: (0, 0)  # noqa: E731
-    in_specs = [
-        pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0)),
-        pl.BlockSpec((rows, n * padded), whole),
-        pl.BlockSpec((rows, 1), whole),
-        pl.BlockSpec((rows, 1), whole),
-    ]
-    operands = [x_padded, weight, scale, bias]
-    if config.mix == "permutations":
-        table = jnp.asarray(_permutation_table(n))
-        in_specs.append(pl.BlockSpec(table.shape, whole))
-        operands.append(table)
-    size = x.dtype.itemsize
-    iterations = config.sinkhorn_iters if config.mix == "sinkhorn" else 0
-    cost = pl.CostEstimate(
-        flops=int(t * (2 * n * padded * (rows + _layout.SUBLANES + 1) + 6 * iterations * n * g)),
-        transcendentals=int(t * (rows + 1)),
-        bytes_accessed=int(t * (n + 1) * padded * size + t * coefficient_rows * 4 + rows * (n * padded + 2) * 4),
-    )
+    parameters, parameter_specs = parameter_operands(config, params, d)
+    coefficient_spec, coefficient_shape = coefficient_output(config, t, tile)
+    flops, transcendentals, coefficient_bytes = coefficient_cost(config, t, padded)
     layer_in, coefficients = pl.pallas_call(
-        functools.partial(_kernel, config=config, features=d, padded=padded, dtype=x.dtype),
+        functools.partial(_kernel, config=config, features=d),
         grid=(pl.cdiv(t, tile),),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((tile, padded), lambda i: (i, 0)),
-            pl.BlockSpec((coefficient_rows, tile), lambda i: (0, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((t, padded), x.dtype),
-            jax.ShapeDtypeStruct((coefficient_rows, t), _F32),
-        ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=_layout.VMEM_LIMIT),
-        cost_estimate=cost,
+        in_specs=[pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0)), *parameter_specs],
+        out_specs=[pl.BlockSpec((tile, padded), lambda i: (i, 0)), coefficient_spec],
+        out_shape=[jax.ShapeDtypeStruct((t, padded), x.dtype), coefficient_shape],
+        compiler_params=compiler_params(),
+        # Spec: Minimum memory traffic, (n + 1) D e per token, plus the coefficients.
+        cost_estimate=pl.CostEstimate(
+            flops=int(flops),
+            transcendentals=int(transcendentals),
+            bytes_accessed=int(t * (n + 1) * padded * x.dtype.itemsize + coefficient_bytes),
+        ),
         interpret=interpret if interpret is not None else False,
-    )(*operands)
-    coefficients = coefficients.reshape(2 + n, g, t)[:, :n]  # [2 + n, n, T]
-    h_res = jnp.transpose(coefficients[2:], (2, 0, 1))
-    return layer_in[:, :d], coefficients[0].T, coefficients[1].T, h_res
+    )(jnp.pad(x, ((0, 0), (0, 0), (0, padded - d))), *parameters)
+    return (layer_in[:, :d], *split_coefficients(config, coefficients, t))
