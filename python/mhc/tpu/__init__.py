@@ -11,19 +11,36 @@ backends' FFI target to a function taking the same operands in the same order,
 mhc.jax reads it, so a kernel added here is used on a TPU with no other change."""
 
 from mhc.jax._types import Params
+from mhc.tpu._boundary import boundary_forward
 from mhc.tpu._layout import TOKEN_TILES
 from mhc.tpu._post import post_backward, post_forward
 from mhc.tpu._pre import pre_forward
+from mhc.tpu._pre_backward import pre_backward
 
 
 def _pre_forward_target(config, x, norm_weight, phi, alpha, bias, *, interpret=None):
     return pre_forward(config, x, Params(norm_weight, phi, alpha, bias), interpret=interpret)
 
 
+def _boundary_forward_target(config, x, layer_out, h_post, h_res, norm_weight, phi, alpha, bias, *, interpret=None):
+    return boundary_forward(
+        config, x, layer_out, h_post, h_res, Params(norm_weight, phi, alpha, bias), interpret=interpret
+    )
+
+
+def _pre_backward_target(
+    config, dlayer_in, dx_partial, dh_post, dh_res, x, norm_weight, phi, alpha, bias, *, interpret=None
+):
+    params = Params(norm_weight, phi, alpha, bias)
+    return pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params, interpret=interpret)
+
+
 KERNELS = {
     "mhc_pre_forward": _pre_forward_target,
     "mhc_post_forward": post_forward,
     "mhc_post_backward": post_backward,
+    "mhc_boundary_forward": _boundary_forward_target,
+    "mhc_pre_backward": _pre_backward_target,
 }
 
-__all__ = ["KERNELS", "TOKEN_TILES", "post_backward", "post_forward", "pre_forward"]
+__all__ = ["KERNELS", "TOKEN_TILES", "boundary_forward", "post_backward", "post_forward", "pre_backward", "pre_forward"]
