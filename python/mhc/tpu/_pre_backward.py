@@ -1,0 +1,490 @@
+"""The pre backward as one Pallas TPU kernel (unverified on TPU hardware: checked in TPU interpret
+mode, by lowering to Mosaic and by compiling for v5e/v6e, never run on a chip).
+
+Grid (token tiles, feature chunks), both sequential. The x block is the whole tile [tile, n, Dp]
+(its index does not change over the chunks, so it is read from HBM once per tile); at the first
+chunk the kernel recomputes the forward's coefficients from it (_pre's projection, gates and
+Sinkhorn, every Sinkhorn step kept in VMEM), runs the spec's backward through the gates, the
+Sinkhorn steps or the permutation softmax and the RMS statistic with the tokens in the lanes, and
+adds this tile's share of the parameter gradients to output blocks that stay resident over the
+whole grid (so they are summed tile after tile, in a fixed order: bitwise reproducible). Every
+chunk then writes its lanes of dx = dx_partial + H_pre dli + dP W - dr r^3 x / M, with dx_partial
+and dx in [tile, n, chunk] blocks (whole ones would not fit VMEM in bf16 at D = 2048).
+
+The same body runs DeepSeek-V4's head backward (mhc.tpu._head): the pre gates only, no dx_partial.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from mhc.jax._types import Config, Params
+from mhc.tpu import _layout, _pre
+
+_F32 = jnp.float32
+_HIGHEST = jax.lax.Precision.HIGHEST
+_MATMUL = (((1,), (0,)), ((), ()))  # a (m, k) times b (k, n)
+# Rows of the per-token column pack (_coefficient_step): the pre gates' group, then a group whose
+# first row is the x coefficient dr r^3 / M.
+_TOKEN_SCALARS = _layout.SUBLANES
+
+
+def projection(x_ref, weight_ref, *, n: int, features: int, rms_eps: float):
+    """(P (rows, tile), r (1, tile)) for the token tile x_ref [tile, n, Dp]: spec, Forward steps
+    1-2, as the pre forward computes them (one MXU product per stream at full f32 precision, the
+    sum of squares the same way; the padded lanes are zero and add nothing, the mean is over the
+    true n D)."""
+    tile, padded = x_ref.shape[0], x_ref.shape[2]
+    logits = jnp.zeros((weight_ref.shape[0], tile), _F32)
+    squares = jnp.zeros((_layout.SUBLANES, tile), _F32)
+    ones = jnp.ones((_layout.SUBLANES, padded), _F32)
+    for k in range(n):
+        stream = x_ref[:, k, :].astype(_F32)
+        weight = weight_ref[:, k * padded : (k + 1) * padded]
+        logits += jax.lax.dot_general(
+            weight, stream, _pre._CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
+        )
+        squares += jax.lax.dot_general(
+            ones, stream * stream, _pre._CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
+        )
+    return logits, jax.lax.rsqrt(squares[0:1] / (n * features) + rms_eps)
+
+
+def sigmoid(value):
+    return 1.0 / (1.0 + jnp.exp(-value))
+
+
+def _group(rows, i: int, g: int):
+    return rows[i * g : (i + 1) * g]
+
+
+def _sinkhorn_forward(config: Config, logits, g: int, steps_ref):
+    """The forward's Sinkhorn (spec: Forward step 5) on the residual logits (n G, tile), keeping
+    its start (softmax + eps) at steps_ref[0] and the result of every normalization after it: the
+    first column step at 1, then the row and column steps of iteration k at 2 + 2 k and 3 + 2 k."""
+    n, eps = config.n, config.sinkhorn_eps
+    valid = jax.lax.broadcasted_iota(jnp.int32, (g, logits.shape[1]), 0) < n
+    rows = [jnp.where(valid, _pre._masked_softmax(_group(logits, i, g), valid) + eps, 0.0) for i in range(n)]
+
+    def save(index, rows):
+        steps_ref[index] = jnp.concatenate(rows, axis=0)
+        return rows
+
+    def over_columns(rows):
+        sums = functools.reduce(jnp.add, rows)
+        return [row / (sums + eps) for row in rows]
+
+    def over_rows(rows):
+        return [row / (jnp.sum(row, axis=0, keepdims=True) + eps) for row in rows]
+
+    def iteration(k, rows):
+        rows = save(2 + 2 * k, over_rows(rows))
+        return save(3 + 2 * k, over_columns(rows))
+
+    rows = save(1, over_columns(save(0, rows)))
+    jax.lax.fori_loop(0, config.sinkhorn_iters - 1, iteration, rows)
+
+
+def _sinkhorn_backward(config: Config, logits, dh_res, g: int, steps_ref):
+    """da_res (n G, tile) from dH_res (n G, tile): back through every step of the finite iteration
+    (spec: Backward, Sinkhorn), each step's input and output read from steps_ref."""
+    n, eps = config.n, config.sinkhorn_eps
+    _sinkhorn_forward(config, logits, g, steps_ref)
+    valid = jax.lax.broadcasted_iota(jnp.int32, (g, logits.shape[1]), 0) < n
+
+    def step(index):
+        return [_group(steps_ref[index], i, g) for i in range(n)]
+
+    def back_over_columns(grads, index):
+        # Y_i = X_i / (sum_i X_i + eps): dX_i = (dY_i - sum_i dY_i Y_i) / (sum_i X_i + eps).
+        outputs, inputs = step(index), step(index - 1)
+        sums = functools.reduce(jnp.add, inputs)
+        dots = functools.reduce(jnp.add, [d * y for d, y in zip(grads, outputs, strict=True)])
+        return [(d - dots) / (sums + eps) for d in grads]
+
+    def back_over_rows(grads, index):
+        # Y_i = X_i / (sum_j X_i + eps): dX_i = (dY_i - sum_j dY_i Y_i) / (sum_j X_i + eps), on the
+        # n valid sublanes only (the padding rows stay 0: the next column step divides them by
+        # eps alone).
+        outputs, inputs = step(index), step(index - 1)
+        return [
+            jnp.where(
+                valid, (d - jnp.sum(d * y, axis=0, keepdims=True)) / (jnp.sum(x, axis=0, keepdims=True) + eps), 0.0
+            )
+            for d, y, x in zip(grads, outputs, inputs, strict=True)
+        ]
+
+    def iteration(j, grads):
+        k = config.sinkhorn_iters - 2 - j
+        return back_over_rows(back_over_columns(grads, 3 + 2 * k), 2 + 2 * k)
+
+    grads = [_group(dh_res, i, g) for i in range(n)]
+    grads = jax.lax.fori_loop(0, config.sinkhorn_iters - 1, iteration, grads)
+    grads = back_over_columns(grads, 1)
+    # The softmax start (eps has no gradient): dA = S (dS - sum_j dS S).
+    result = []
+    for i, d in enumerate(grads):
+        soft = _pre._masked_softmax(_group(logits, i, g), valid)
+        result.append(soft * (d - jnp.sum(d * soft, axis=0, keepdims=True)))
+    return jnp.concatenate(result, axis=0)
+
+
+def _permutations_backward(config: Config, logits, dh_res, table_t_ref):
+    """da_res (Rp, tile) from dH_res (n G, tile) (spec: Backward, Permutations): dw_p = sum_i
+    dH_res[i, perm_p(i)] by one MXU product with the transposed 0/1 table, then the softmax."""
+    valid = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 0) < math.factorial(config.n)
+    w = _pre._masked_softmax(logits, valid)
+    dw = jax.lax.dot_general(table_t_ref[...], dh_res, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32)
+    return w * (dw - jnp.sum(w * dw, axis=0, keepdims=True))
+
+
+def backward_body(
+    dli_ref,
+    dx_partial_ref,
+    dh_ref,
+    x_ref,
+    weight_ref,
+    scale_ref,
+    bias_ref,
+    table_t_ref,
+    dx_ref,
+    gram_ref,
+    dbias_ref,
+    dalpha_ref,
+    steps_ref,
+    columns_ref,
+    *,
+    config: Config,
+    features: int,
+    tokens: int,
+):
+    """One grid step (token tile i, feature chunk c) of the pre backward, for the pre kernel, the
+    head (gates only: dx_partial_ref, dh_ref, table_t_ref and steps_ref None, weight_ref with the
+    pre group only) and a fused boundary kernel whose blocks are already in VMEM.
+
+    Inputs: dli_ref [tile, Dp], dx_partial_ref [tile, n, chunk], dh_ref ((1 + n) G, tile) (dH_post
+    then the rows of dH_res, the tokens in the lanes), x_ref [tile, n, Dp], the transposed weight
+    (rows, n Dp) with its alpha and bias columns (rows, 1) (_pre._transposed_weight's layout),
+    table_t_ref the transposed permutation table (Rp, n G) or None. Outputs: dx_ref [tile, n, chunk]
+    and three accumulators over the whole grid: gram_ref (rows, n Dp) = sum_t dP x (the projection
+    gradient before the norm weight), dbias_ref and dalpha_ref (rows, 1) = sum_t da and
+    sum_t da Z per logit row. Scratch: steps_ref (2 iters, n G, tile) (Sinkhorn) and columns_ref
+    (tile, rows + G + 8): dP and the per-token scalars with the tokens in the sublanes.
+    `tokens`: T, to mask the ragged last tile out of the parameter gradients."""
+    n, g = config.n, _layout.group_rows(config.n)
+    gates_only = dh_ref is None
+    tile, padded, chunk = x_ref.shape[0], x_ref.shape[2], dx_ref.shape[2]
+    rows = weight_ref.shape[0]
+    i, c = pl.program_id(0), pl.program_id(1)
+    valid_tokens = tokens - i * tile
+
+    @pl.when((i == 0) & (c == 0))
+    def _start():
+        gram_ref[...] = jnp.zeros_like(gram_ref)
+        dbias_ref[...] = jnp.zeros_like(dbias_ref)
+        dalpha_ref[...] = jnp.zeros_like(dalpha_ref)
+
+    @pl.when(c == 0)
+    def _coefficient_step():
+        logits, r = projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
+        z = r * logits
+        scale = scale_ref[...]
+        a = scale * z + bias_ref[...]
+        # dH_pre[k] = sum_d x_k dli, a row per stream (the MXU's ones product puts it in the lanes).
+        dli = dli_ref[...].astype(_F32)
+        ones = jnp.ones((_layout.SUBLANES, padded), _F32)
+        sublane = jax.lax.broadcasted_iota(jnp.int32, (g, tile), 0)
+        dh_pre = jnp.zeros((g, tile), _F32)
+        for k in range(n):
+            product = x_ref[:, k, :].astype(_F32) * dli
+            total = jax.lax.dot_general(
+                ones, product, _pre._CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
+            )
+            dh_pre = jnp.where(sublane == k, total[0:1], dh_pre)
+        # Gates (pre_eps has no gradient).
+        s_pre = sigmoid(a[0:g])
+        parts = [dh_pre * s_pre * (1.0 - s_pre)]
+        if not gates_only:
+            dh = dh_ref[...]
+            s_post = sigmoid(a[g : 2 * g])
+            parts.append(dh[0:g] * config.post_scale * s_post * (1.0 - s_post))
+            if config.mix == "sinkhorn":
+                parts.append(_sinkhorn_backward(config, a[2 * g :], dh[g:], g, steps_ref))
+            else:
+                parts.append(_permutations_backward(config, a[2 * g :], dh[g:], table_t_ref))
+        da = jnp.concatenate(parts, axis=0)
+        # The ragged last tile's absent tokens (whatever their memory held) add nothing.
+        lane_valid = jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1) < valid_tokens
+        da = jnp.where(lane_valid, da, 0.0)
+        dbias_ref[...] += jnp.sum(da, axis=1, keepdims=True)
+        dalpha_ref[...] += jnp.sum(jnp.where(lane_valid, da * z, 0.0), axis=1, keepdims=True)
+        dz = scale * da
+        dp = jnp.where(lane_valid, r * dz, 0.0)
+        dr = jnp.sum(dz * logits, axis=0, keepdims=True)
+        sublane_valid = jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < valid_tokens
+        for k in range(n):
+            stream = jnp.where(sublane_valid, x_ref[:, k, :].astype(_F32), 0.0)
+            gram_ref[:, k * padded : (k + 1) * padded] += jax.lax.dot_general(
+                dp, stream, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32
+            )
+        x_coefficient = jnp.broadcast_to(dr * r * r * r / (n * features), (_TOKEN_SCALARS, tile))
+        columns_ref[...] = jnp.concatenate([dp, s_pre + config.pre_eps, x_coefficient], axis=0).T
+
+    columns = columns_ref[...]
+    dp_t = columns[:, 0:rows]
+    x_coefficient = columns[:, rows + g : rows + g + 1]
+    start = pl.multiple_of(c * chunk, _layout.LANES)
+    dli = dli_ref[:, pl.ds(start, chunk)].astype(_F32)
+    for k in range(n):
+        weight = weight_ref[:, pl.ds(pl.multiple_of(k * padded + start, _layout.LANES), chunk)]
+        dx = columns[:, rows + k : rows + k + 1] * dli
+        if not gates_only:
+            dx += dx_partial_ref[:, k, :].astype(_F32)
+        dx += jax.lax.dot_general(dp_t, weight, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32)
+        dx -= x_coefficient * x_ref[:, k, pl.ds(start, chunk)].astype(_F32)
+        dx_ref[:, k, :] = dx.astype(dx_ref.dtype)
+
+
+def backward_tile(config: Config, d: int, dtype, *, rows: int, gates_only: bool, operation: str) -> int:
+    """The token tile of the pre (or head) backward for x [T, n, d] of dtype from the VMEM plan:
+    double-buffered x [tile, n, Dp] and dli [tile, Dp] blocks, dx_partial and dx [tile, n, chunk]
+    blocks, f32 temporaries (four of a stream at the first chunk, three of a chunk after), the
+    Sinkhorn steps, the column pack and the logit-sized temporaries; fixed: the weight and the
+    gradient accumulator (rows, n Dp), double-buffered."""
+    padded = _layout.padded_features(d)
+    chunk = _layout.feature_chunk(padded)
+    size = jnp.dtype(dtype).itemsize
+    streams = _layout.stream_sublanes(config.n, size)
+    chunk_streams = (1 if gates_only else 2) * 2 * streams * chunk * size
+    per_token = 2 * streams * padded * size + 2 * padded * size + chunk_streams
+    per_token += 4 * padded * 4 + 3 * chunk * 4
+    steps = 0 if gates_only or config.mix != "sinkhorn" else 2 * config.sinkhorn_iters * config.n * config.n
+    g = _layout.group_rows(config.n)
+    per_token += 4 * (
+        steps + _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES) + 8 * rows + 2 * (1 + config.n) * g
+    )
+    fixed = 4 * 2 * rows * config.n * padded * 4
+    return _layout.choose_token_tile(operation, per_token, fixed)
+
+
+def _check(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Params, tile):
+    operation = "mhc.tpu.pre_backward"
+    if x.ndim != 3 or x.shape[1] != config.n:
+        raise ValueError(f"{operation}: x: expected [T, n = {config.n}, D], got shape {x.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{operation}: x: expected float32 or bfloat16, got {x.dtype}")
+    t, n, d = x.shape
+    for name, value, shape, dtype in (
+        ("dlayer_in", dlayer_in, (t, d), x.dtype),
+        ("dx_partial", dx_partial, (t, n, d), x.dtype),
+        ("dh_post", dh_post, (t, n), _F32),
+        ("dh_res", dh_res, (t, n, n), _F32),
+    ):
+        if value.shape != shape or value.dtype != dtype:
+            raise ValueError(
+                f"{operation}: {name}: expected shape {shape} and dtype {jnp.dtype(dtype).name}, "
+                f"got {value.shape} {value.dtype}"
+            )
+    m, width = n * d, config.projection_width
+    for name, value, shape in zip(Params._fields, params, ((m,), (m, width), (3,), (width,)), strict=True):
+        if np.shape(value) != shape:
+            raise ValueError(
+                f"{operation}: params.{name}: expected shape {shape} for x {x.shape}, got {np.shape(value)}"
+            )
+    if tile is not None and tile not in _layout.TOKEN_TILES:
+        raise ValueError(f"{operation}: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
+
+
+def tokens_in_lanes(values, row_of_column, rows: int, tile: int):
+    """[T, C] f32 -> [token tiles, rows, tile]: column c at row row_of_column[c] of each tile, the
+    tokens in the lanes (a whole last dimension at any tile), the rest zero."""
+    t = values.shape[0]
+    tiles = pl.cdiv(t, tile)
+    packed = jnp.zeros((tiles * tile, rows), _F32).at[:t, np.asarray(row_of_column)].set(values)
+    return jnp.transpose(packed.reshape(tiles, tile, rows), (0, 2, 1))
+
+
+def run(
+    config: Config,
+    x,
+    dlayer_in,
+    dx_partial,
+    dh,
+    weight,
+    scale,
+    bias,
+    table_t,
+    *,
+    tile: int,
+    interpret,
+):
+    """The pallas_call for x [T, n, D] (T > 0), shared by the pre and head backwards: returns dx
+    [T, n, D] and the accumulators (gram (rows, n Dp), dbias (rows, 1), dalpha (rows, 1)). dx_partial
+    and dh None for the head; dh [token tiles, (1 + n) G, tile] (tokens_in_lanes); table_t None but
+    for permutations."""
+    t, n, d = x.shape
+    padded = _layout.padded_features(d)
+    chunk = _layout.feature_chunk(padded)
+    rows, g = weight.shape[0], _layout.group_rows(n)
+    gates_only = dh is None
+    size = x.dtype.itemsize
+    whole = lambda i, c: (0, 0)  # noqa: E731
+    streams = pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c))
+    operands = [_padded(dlayer_in, padded)]
+    in_specs = [pl.BlockSpec((tile, padded), lambda i, c: (i, 0))]
+    if not gates_only:
+        operands += [_padded(dx_partial, padded), dh]
+        in_specs += [streams, pl.BlockSpec((None, dh.shape[1], tile), lambda i, c: (i, 0, 0))]
+    operands += [_padded(x, padded), weight, scale, bias]
+    in_specs += [
+        pl.BlockSpec((tile, n, padded), lambda i, c: (i, 0, 0)),
+        pl.BlockSpec(weight.shape, whole),
+        pl.BlockSpec((rows, 1), whole),
+        pl.BlockSpec((rows, 1), whole),
+    ]
+    if table_t is not None:
+        operands.append(table_t)
+        in_specs.append(pl.BlockSpec(table_t.shape, whole))
+    scratch = []
+    sinkhorn = not gates_only and config.mix == "sinkhorn"
+    if sinkhorn:
+        scratch.append(pltpu.VMEM((2 * config.sinkhorn_iters, n * g, tile), _F32))
+    scratch.append(pltpu.VMEM((tile, rows + g + _TOKEN_SCALARS), _F32))
+
+    def kernel(*refs):
+        refs = list(refs)
+        dli_ref = refs.pop(0)
+        dx_partial_ref, dh_ref = (None, None) if gates_only else (refs.pop(0), refs.pop(0))
+        x_ref, weight_ref, scale_ref, bias_ref = refs[:4]
+        refs = refs[4:]
+        table_t_ref = refs.pop(0) if table_t is not None else None
+        dx_ref, gram_ref, dbias_ref, dalpha_ref = refs[:4]
+        refs = refs[4:]
+        steps_ref = refs.pop(0) if sinkhorn else None
+        (columns_ref,) = refs
+        backward_body(
+            dli_ref,
+            dx_partial_ref,
+            dh_ref,
+            x_ref,
+            weight_ref,
+            scale_ref,
+            bias_ref,
+            table_t_ref,
+            dx_ref,
+            gram_ref,
+            dbias_ref,
+            dalpha_ref,
+            steps_ref,
+            columns_ref,
+            config=config,
+            features=d,
+            tokens=t,
+        )
+
+    iterations = 2 * config.sinkhorn_iters if sinkhorn else 1
+    # Spec, Minimum memory traffic: backward pre reads x, dx_partial, dli and writes dx, (3n+1) D e
+    # per token (the head: (2n+1) D e); plus the coefficient cotangents and the parameters.
+    streams_moved = (2 if gates_only else 3) * n + 1
+    cost = pl.CostEstimate(
+        flops=int(t * (4 * n * padded * (2 * rows + _layout.SUBLANES) + 12 * iterations * n * g)),
+        transcendentals=int(t * (2 * rows + 1)),
+        bytes_accessed=int(
+            t * streams_moved * padded * size
+            + (0 if gates_only else t * (n + n * n) * 4)
+            + 2 * rows * (n * padded + 2) * 4
+        ),
+    )
+    dx, gram, dbias, dalpha = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(t, tile), padded // chunk),
+        in_specs=in_specs,
+        out_specs=[
+            streams,
+            pl.BlockSpec(weight.shape, whole),
+            pl.BlockSpec((rows, 1), whole),
+            pl.BlockSpec((rows, 1), whole),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((t, n, padded), x.dtype),
+            jax.ShapeDtypeStruct(weight.shape, _F32),
+            jax.ShapeDtypeStruct((rows, 1), _F32),
+            jax.ShapeDtypeStruct((rows, 1), _F32),
+        ],
+        scratch_shapes=scratch,
+        # Both axes sequential: the parameter gradients accumulate over the tiles in order.
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=_layout.VMEM_LIMIT
+        ),
+        cost_estimate=cost,
+        interpret=interpret if interpret is not None else False,
+    )(*operands)
+    return dx[:, :, :d], gram, dbias[:, 0], dalpha[:, 0]
+
+
+def _padded(a, padded: int):
+    """a with its last axis (the features) zero-padded to `padded`."""
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padded - a.shape[-1])])
+
+
+def _logit_row_of_column(config: Config) -> np.ndarray:
+    """The row of the transposed weight (_pre._transposed_weight) that holds projection column c."""
+    n, g = config.n, _layout.group_rows(config.n)
+    if config.mix == "sinkhorn":
+        residual = [(2 + i) * g + j for i in range(n) for j in range(n)]
+    else:
+        residual = [2 * g + p for p in range(config.residual_logits)]
+    return np.asarray(list(range(n)) + [g + k for k in range(n)] + residual)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def pre_backward(
+    config: Config,
+    dlayer_in,
+    dx_partial,
+    dh_post,
+    dh_res,
+    x,
+    params: Params,
+    *,
+    tile: int | None = None,
+    interpret=None,
+):
+    """(dx [T, n, D] x's dtype, dnorm_weight [n D], dphi [n D, N], dalpha [3], dbias [N] f32): the
+    contract of mhc.jax's pre_backward kernel (operands in its order; dlayer_in [T, D] and
+    dx_partial [T, n, D] in x's dtype, dh_post [T, n] and dh_res [T, n, n] f32, Params in the
+    kernels' layout). `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    _check(config, dlayer_in, dx_partial, dh_post, dh_res, x, params, tile)
+    t, n, d = x.shape
+    if t == 0:
+        return (jnp.zeros(x.shape, x.dtype),) + tuple(jnp.zeros(np.shape(p), _F32) for p in params)
+    rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
+    if tile is None:
+        tile = backward_tile(config, d, x.dtype, rows=rows, gates_only=False, operation="pre_backward")
+    padded = _layout.padded_features(d)
+    weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
+    # dH_post at rows 0..n, row i of dH_res at (1 + i) G: the coefficient rows past h_pre.
+    dh_rows = [k for k in range(n)] + [(1 + i) * g + j for i in range(n) for j in range(n)]
+    dh = tokens_in_lanes(jnp.concatenate([dh_post, dh_res.reshape(t, n * n)], axis=1), dh_rows, (1 + n) * g, tile)
+    table_t = jnp.asarray(_pre._permutation_table(n).T) if config.mix == "permutations" else None
+    dx, gram, dbias_rows, dalpha_rows = run(
+        config, x, dlayer_in, dx_partial, dh, weight, scale, bias, table_t, tile=tile, interpret=interpret
+    )
+    row_of_column = _logit_row_of_column(config)
+    # gram[row of c, k Dp + d] = sum_t dP[t, c] x[t, k, d]: back to [n D, N] without the padding.
+    projection_grad = gram[row_of_column].reshape(-1, n, padded)[:, :, :d].reshape(-1, n * d).T
+    norm_weight, phi = jnp.asarray(params.norm_weight, _F32), jnp.asarray(params.phi, _F32)
+    dphi = norm_weight[:, None] * projection_grad
+    dnorm_weight = jnp.sum(phi * projection_grad, axis=1)
+    dalpha_columns = dalpha_rows[row_of_column]
+    dalpha = jnp.stack(
+        [jnp.sum(dalpha_columns[:n]), jnp.sum(dalpha_columns[n : 2 * n]), jnp.sum(dalpha_columns[2 * n :])]
+    )
+    return dx, dnorm_weight, dphi, dalpha, dbias_rows[row_of_column]

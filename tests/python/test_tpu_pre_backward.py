@@ -1,0 +1,180 @@
+"""The TPU pre backward (mhc.tpu.pre_backward), checked without a TPU as test_tpu_kernels.py checks
+the forwards: in TPU interpret mode with race detection against the float64 reference
+(numpy_reference.backward), lowered to Mosaic at every token tile, and the MXU precision of every
+matmul read back from the lowered module.
+
+The kernel's inputs dx_partial, dh_post and dh_res are what the post backward hands it; here the
+reference computes them (float64, then rounded to the kernel's dtypes) from a cotangent g of out
+and a layer_out, so that the reference's full backward is the expected result. Cases: a sample of
+the CPU suite's families, each with a ragged last token tile; D = 600 and 1024 take several
+feature chunks.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mhc.jax as mj
+import mhc.tpu
+import numpy_reference
+from conftest import assert_matches, random_numpy_params, round_by_one_unit
+from test_tpu_kernels import CUSTOM, INTERPRET, TILE, _case_id, _export, _mosaic_modules, _no_races, _tolerance
+
+# (n, D, T, mix, dtype, config scalars).
+CASES = [
+    (4, 130, 300, "sinkhorn", jnp.float32, {}),
+    (3, 1, 37, "permutations", jnp.bfloat16, {}),
+    (1, 130, 1, "sinkhorn", jnp.bfloat16, {}),
+    (4, 1, 37, "permutations", jnp.float32, CUSTOM),
+    (8, 1, 37, "sinkhorn", jnp.float32, CUSTOM),
+    (3, 600, 37, "sinkhorn", jnp.float32, CUSTOM),  # Dp = 640: five feature chunks
+    (4, 1024, 37, "sinkhorn", jnp.bfloat16, {}),  # two chunks of 512
+    (3, 130, 0, "sinkhorn", jnp.float32, {}),
+]
+NAMES = ("dx", "dnorm_weight", "dphi", "dalpha", "dbias")
+
+
+def _oracle(config, x, layer_out, params, dli, g, noise=None):
+    """The reference's dx and parameter gradients, the pre backward's inputs (dx_partial = H_res g,
+    dh_post, dh_res) and dx's part through the coefficients (dx - dx_partial), all float64."""
+    dx, _, dparams = numpy_reference.backward(x, layer_out, params, config, dli, g, noise)
+    h_res = numpy_reference._forward(x, layer_out, params, config)["h_res"]
+    dx_partial = np.einsum("tij,tjd->tid", h_res, g)
+    inputs = (dx_partial, np.einsum("td,tjd->tj", layer_out, g), np.einsum("tid,tjd->tij", x, g))
+    return (dx, *dparams), inputs, dx - dx_partial
+
+
+def _problem(rng, config, d, t, dtype):
+    n = config.n
+    params = random_numpy_params(rng, config, d)
+    x = jnp.asarray(rng.standard_normal((t, n, d)), dtype)
+    dli = jnp.asarray(rng.standard_normal((t, d)), dtype)
+    as64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    return params, x, dli, as64(x), as64(dli), rng.standard_normal((t, d)), rng.standard_normal((t, n, d))
+
+
+def _kernel_inputs(inputs, dtype):
+    dx_partial, dh_post, dh_res = inputs
+    return jnp.asarray(dx_partial, dtype), jnp.asarray(dh_post, jnp.float32), jnp.asarray(dh_res, jnp.float32)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_pre_backward_matches_reference(seed, case):
+    n, d, t, mix, dtype, scalars = case
+    config = mj.Config(n=n, mix=mix, **scalars)
+    rng = np.random.default_rng(seed)
+    params, x, dli, x64, dli64, layer_out, g = _problem(rng, config, d, t, dtype)
+    want, inputs, want_through_coefficients = _oracle(config, x64, layer_out, params, dli64, g)
+    dx_partial, dh_post, dh_res = _kernel_inputs(inputs, dtype)
+    got = mhc.tpu.pre_backward(config, dli, dx_partial, dh_post, dh_res, x, params, tile=TILE, interpret=INTERPRET)
+    _no_races()
+
+    def perturbed(rng, index):
+        values = (x64, layer_out, params, dli64, g)
+        result, _, through_coefficients = _oracle(config, *(round_by_one_unit(rng, v) for v in values), rng)
+        return (*result, through_coefficients)[index]
+
+    for index, (name, value) in enumerate(zip(NAMES, got, strict=True)):
+        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
+        assert value.dtype == (dtype if name == "dx" else jnp.float32), f"{name}: dtype {value.dtype}"
+        context = f"(seed {seed})"
+        assert_matches(name, value, want[index], _tolerance(value.dtype), lambda r, i=index: perturbed(r, i), context)
+    if dtype == jnp.float32 and t > 0:
+        # dx is mostly dx_partial: its part through the coefficients (the gates, Sinkhorn, the
+        # projection and the RMS statistic) held to the bound on its own.
+        through_coefficients = np.asarray(got[0], np.float64) - np.asarray(dx_partial, np.float64)
+        assert_matches(
+            "dx through the coefficients",
+            through_coefficients,
+            want_through_coefficients,
+            _tolerance(dtype),
+            lambda r: perturbed(r, len(NAMES)),
+            f"(seed {seed})",
+        )
+
+
+def test_dx_is_batch_invariant(seed):
+    """A token's dx depends only on its own inputs (spec: Accuracy, batch invariance): token 150 of
+    a three-tile call equals the same token alone, bit for bit (in the interpreter: the kernel's
+    structure, not the TPU's arithmetic)."""
+    config = mj.Config(n=4)
+    rng = np.random.default_rng(seed)
+    params, x, dli, x64, dli64, layer_out, g = _problem(rng, config, 130, 300, jnp.bfloat16)
+    _, inputs, _ = _oracle(config, x64, layer_out, params, dli64, g)
+    dx_partial, dh_post, dh_res = _kernel_inputs(inputs, jnp.bfloat16)
+    one = slice(150, 151)
+    many = mhc.tpu.pre_backward(config, dli, dx_partial, dh_post, dh_res, x, params, tile=TILE, interpret=INTERPRET)
+    alone = mhc.tpu.pre_backward(
+        config, dli[one], dx_partial[one], dh_post[one], dh_res[one], x[one], params, tile=TILE, interpret=INTERPRET
+    )
+    np.testing.assert_array_equal(np.asarray(many[0][one], np.float32), np.asarray(alone[0], np.float32))
+    _no_races()
+
+
+def _arguments(config, n, d, t, dtype):
+    params = random_numpy_params(np.random.default_rng(0), config, d)
+    x = jnp.zeros((t, n, d), dtype)
+    return jnp.zeros((t, d), dtype), x, jnp.zeros((t, n)), jnp.zeros((t, n, n)), x, params
+
+
+@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
+def test_pre_backward_dots_carry_full_f32_precision(mix):
+    """Every matmul of the kernel (the recomputed projection and sum of squares, dH_pre's sums, the
+    projection gradient, dx's product with the weight, the permutation table's) asks the MXU for
+    fp32 contraction precision."""
+    config = mj.Config(n=3, mix=mix)
+    arguments = _arguments(config, 3, 130, 37, jnp.bfloat16)
+    kernels = _mosaic_modules(_export(lambda *a: mhc.tpu.pre_backward(config, *a), *arguments))
+    assert len(kernels) == 1
+    matmuls = [line for line in kernels[0].splitlines() if "tpu.matmul" in line]
+    assert len(matmuls) == 5 * config.n + (mix == "permutations"), matmuls
+    for line in matmuls:
+        assert "precision = #tpu.contract_precision<fp32>" in line, line
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_tile_lowers_for_tpu(dtype):
+    """Every token tile the wrapper can choose passes the Pallas -> Mosaic lowering, for both mixes,
+    at a D that pads and takes two feature chunks (dynamic lane offsets) and a ragged T."""
+    n, d, t = 4, 600, 300
+    for tile in mhc.tpu.TOKEN_TILES:
+        for mix in ("sinkhorn", "permutations"):
+            config = mj.Config(n=n, mix=mix)
+            function = lambda *a, c=config, tile=tile: mhc.tpu.pre_backward(c, *a, tile=tile)  # noqa: E731
+            assert "tpu_custom_call" in _export(function, *_arguments(config, n, d, t, dtype))
+
+
+def test_tile_follows_the_vmem_plan():
+    """Small problems get the largest tile; n D too large for the budget is a clear error naming
+    the budget."""
+    rows = mhc.tpu._layout.logit_rows(4, "sinkhorn")
+
+    def tile(n, d, dtype):
+        return mhc.tpu._pre_backward.backward_tile(
+            mj.Config(n=n), d, dtype, rows=rows, gates_only=False, operation="pre_backward"
+        )
+
+    assert tile(4, 130, jnp.float32) == max(mhc.tpu.TOKEN_TILES)
+    assert tile(4, 2048, jnp.bfloat16) in mhc.tpu.TOKEN_TILES
+    with pytest.raises(ValueError, match=r"mhc.tpu.pre_backward: .*MiB of VMEM, over the .*MiB budget"):
+        tile(8, 65536, jnp.float32)
+
+
+def test_bad_arguments_are_named():
+    config = mj.Config(n=4)
+    dli, dx_partial, dh_post, dh_res, x, params = _arguments(config, 4, 8, 5, jnp.float32)
+    call = mhc.tpu.pre_backward
+    with pytest.raises(ValueError, match=r"x: expected \[T, n = 4, D\]"):
+        call(config, dli, dx_partial, dh_post, dh_res, jnp.zeros((5, 3, 8)), params)
+    with pytest.raises(ValueError, match=r"x: expected float32 or bfloat16"):
+        call(config, dli, dx_partial, dh_post, dh_res, x.astype(jnp.float16), params)
+    with pytest.raises(ValueError, match=r"dlayer_in: expected shape \(5, 8\) and dtype float32"):
+        call(config, dli.astype(jnp.bfloat16), dx_partial, dh_post, dh_res, x, params)
+    with pytest.raises(ValueError, match=r"dx_partial: expected shape \(5, 4, 8\)"):
+        call(config, dli, dx_partial[:, :, :7], dh_post, dh_res, x, params)
+    with pytest.raises(ValueError, match=r"dh_res: expected shape \(5, 4, 4\) and dtype float32"):
+        call(config, dli, dx_partial, dh_post, dh_res.reshape(5, 16), x, params)
+    with pytest.raises(ValueError, match=r"params.phi: expected shape \(32, 24\)"):
+        call(config, dli, dx_partial, dh_post, dh_res, x, params._replace(phi=params.phi[:, :20]))
+    with pytest.raises(ValueError, match=r"tile: expected one of"):
+        call(config, dli, dx_partial, dh_post, dh_res, x, params, tile=100)
