@@ -47,12 +47,20 @@ def _masked_softmax(logits, valid):
     return e / jnp.sum(e, axis=0, keepdims=True)
 
 
-def _sinkhorn(config: Config, logits, g: int):
+def _sinkhorn(config: Config, logits, g: int, steps_ref=None):
     """H_res rows [(G, tile)] * n from the residual logits (n G, tile); row i of H_res has its
-    output stream j in the sublanes. Finite iteration exactly as the spec's step 5."""
+    output stream j in the sublanes. Finite iteration exactly as the spec's step 5. `steps_ref`
+    (the backward's): a VMEM ref (2 iters, n G, tile) that receives the start (softmax + eps) at 0
+    and the result of every normalization after it: the first column step at 1, then the row and
+    column steps of iteration k at 2 + 2 k and 3 + 2 k."""
     n, eps = config.n, config.sinkhorn_eps
     valid = jax.lax.broadcasted_iota(jnp.int32, (g, logits.shape[1]), 0) < n
     rows = [jnp.where(valid, _masked_softmax(logits[i * g : (i + 1) * g], valid) + eps, 0.0) for i in range(n)]
+
+    def save(index, rows):
+        if steps_ref is not None:
+            steps_ref[index] = jnp.concatenate(rows, axis=0)
+        return rows
 
     def over_columns(rows):
         column_sums = functools.reduce(jnp.add, rows)
@@ -61,17 +69,20 @@ def _sinkhorn(config: Config, logits, g: int):
     def over_rows(rows):
         return [row / (jnp.sum(row, axis=0, keepdims=True) + eps) for row in rows]
 
-    rows = over_columns(rows)
-    rows = jax.lax.fori_loop(0, config.sinkhorn_iters - 1, lambda _, rows: over_columns(over_rows(rows)), rows)
+    def iteration(k, rows):
+        rows = save(2 + 2 * k, over_rows(rows))
+        return save(3 + 2 * k, over_columns(rows))
+
+    rows = save(1, over_columns(save(0, rows)))
+    rows = jax.lax.fori_loop(0, config.sinkhorn_iters - 1, iteration, rows)
     return rows
 
 
-def pre_body(x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref, *, config, features):
-    """Spec: Forward steps 1-6 for one token tile of x_ref [tile, n, Dp] (an input block, or the
-    boundary kernel's x_next output block, already in VMEM): layer_in_ref [tile, Dp] and
-    coefficients_ref [coefficient rows, tile] (tokens in the lanes). table_ref: the permutation
-    table, or None (Sinkhorn)."""
-    n, g = config.n, _layout.group_rows(config.n)
+def projection(x_ref, weight_ref, *, n: int, features: int, rms_eps: float):
+    """(P (rows, tile), r (1, tile)) for the token tile x_ref [tile, n, Dp] (spec: Forward steps
+    1-2): the projection with the tokens in the lanes, one MXU product per stream at full f32
+    precision, and the RMS factor from the sum of squares taken the same way (the padded lanes are
+    zero and add nothing; the mean is over the true n D)."""
     tile, padded = x_ref.shape[0], x_ref.shape[2]
     logits = jnp.zeros((weight_ref.shape[0], tile), _F32)
     squares = jnp.zeros((_layout.SUBLANES, tile), _F32)
@@ -83,12 +94,36 @@ def pre_body(x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, co
         squares += jax.lax.dot_general(
             ones, stream * stream, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
         )
-    # Step 1 (the padded lanes are zero and add nothing; the mean is over the true n D).
-    r = jax.lax.rsqrt(squares[0:1] / (n * features) + config.rms_eps)
+    return logits, jax.lax.rsqrt(squares[0:1] / (n * features) + rms_eps)
+
+
+def sigmoid(value):
+    return 1.0 / (1.0 + jnp.exp(-value))
+
+
+def pre_apply(h_pre, x_ref, n: int):
+    """layer_in (tile, Dp) f32 = sum_k H_pre[k] x_k (spec: Forward step 6) from the gates (G, tile),
+    brought back to the tokens-in-sublanes layout by one transpose, and the tile in VMEM."""
+    gates = h_pre.T
+    layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)
+    for k in range(1, n):
+        layer_in += gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32)
+    return layer_in
+
+
+def pre_body(x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref, *, config, features):
+    """Spec: Forward steps 1-6 for one token tile of x_ref [tile, n, Dp] (an input block, or the
+    boundary kernel's x_next output block, already in VMEM): layer_in_ref [tile, Dp] and
+    coefficients_ref [coefficient rows, tile] (tokens in the lanes). table_ref: the permutation
+    table, or None (Sinkhorn)."""
+    n, g = config.n, _layout.group_rows(config.n)
+    tile = x_ref.shape[0]
+    # Steps 1-2.
+    logits, r = projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
     # Steps 2-3: Z = r P, a = alpha Z + bias (per row: its group's alpha).
     a = scale_ref[...] * (r * logits) + bias_ref[...]
     # Step 4.
-    h_pre = 1.0 / (1.0 + jnp.exp(-a[0:g])) + config.pre_eps
+    h_pre = sigmoid(a[0:g]) + config.pre_eps
     h_post = config.post_scale / (1.0 + jnp.exp(-a[g : 2 * g]))
     # Step 5.
     if config.mix == "sinkhorn":
@@ -101,11 +136,8 @@ def pre_body(x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, co
             table_ref[...], weights, (((1,), (0,)), ((), ())), precision=_HIGHEST, preferred_element_type=_F32
         )
     coefficients_ref[...] = jnp.concatenate([h_pre, h_post, h_res], axis=0)
-    # Step 6, from the tile in VMEM: the gates with the tokens back in the sublanes.
-    gates = h_pre.T
-    layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)
-    for k in range(1, n):
-        layer_in += gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32)
+    # Step 6, from the tile in VMEM.
+    layer_in = pre_apply(h_pre, x_ref, n)
     layer_in_ref[...] = layer_in.astype(layer_in_ref.dtype)
 
 

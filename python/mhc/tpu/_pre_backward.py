@@ -36,67 +36,15 @@ _MATMUL = (((1,), (0,)), ((), ()))  # a (m, k) times b (k, n)
 _TOKEN_SCALARS = _layout.SUBLANES
 
 
-def projection(x_ref, weight_ref, *, n: int, features: int, rms_eps: float):
-    """(P (rows, tile), r (1, tile)) for the token tile x_ref [tile, n, Dp]: spec, Forward steps
-    1-2, as the pre forward computes them (one MXU product per stream at full f32 precision, the
-    sum of squares the same way; the padded lanes are zero and add nothing, the mean is over the
-    true n D)."""
-    tile, padded = x_ref.shape[0], x_ref.shape[2]
-    logits = jnp.zeros((weight_ref.shape[0], tile), _F32)
-    squares = jnp.zeros((_layout.SUBLANES, tile), _F32)
-    ones = jnp.ones((_layout.SUBLANES, padded), _F32)
-    for k in range(n):
-        stream = x_ref[:, k, :].astype(_F32)
-        weight = weight_ref[:, k * padded : (k + 1) * padded]
-        logits += jax.lax.dot_general(
-            weight, stream, _pre._CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
-        )
-        squares += jax.lax.dot_general(
-            ones, stream * stream, _pre._CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
-        )
-    return logits, jax.lax.rsqrt(squares[0:1] / (n * features) + rms_eps)
-
-
-def sigmoid(value):
-    return 1.0 / (1.0 + jnp.exp(-value))
-
-
 def _group(rows, i: int, g: int):
     return rows[i * g : (i + 1) * g]
-
-
-def _sinkhorn_forward(config: Config, logits, g: int, steps_ref):
-    """The forward's Sinkhorn (spec: Forward step 5) on the residual logits (n G, tile), keeping
-    its start (softmax + eps) at steps_ref[0] and the result of every normalization after it: the
-    first column step at 1, then the row and column steps of iteration k at 2 + 2 k and 3 + 2 k."""
-    n, eps = config.n, config.sinkhorn_eps
-    valid = jax.lax.broadcasted_iota(jnp.int32, (g, logits.shape[1]), 0) < n
-    rows = [jnp.where(valid, _pre._masked_softmax(_group(logits, i, g), valid) + eps, 0.0) for i in range(n)]
-
-    def save(index, rows):
-        steps_ref[index] = jnp.concatenate(rows, axis=0)
-        return rows
-
-    def over_columns(rows):
-        sums = functools.reduce(jnp.add, rows)
-        return [row / (sums + eps) for row in rows]
-
-    def over_rows(rows):
-        return [row / (jnp.sum(row, axis=0, keepdims=True) + eps) for row in rows]
-
-    def iteration(k, rows):
-        rows = save(2 + 2 * k, over_rows(rows))
-        return save(3 + 2 * k, over_columns(rows))
-
-    rows = save(1, over_columns(save(0, rows)))
-    jax.lax.fori_loop(0, config.sinkhorn_iters - 1, iteration, rows)
 
 
 def _sinkhorn_backward(config: Config, logits, dh_res, g: int, steps_ref):
     """da_res (n G, tile) from dH_res (n G, tile): back through every step of the finite iteration
     (spec: Backward, Sinkhorn), each step's input and output read from steps_ref."""
     n, eps = config.n, config.sinkhorn_eps
-    _sinkhorn_forward(config, logits, g, steps_ref)
+    _pre._sinkhorn(config, logits, g, steps_ref)
     valid = jax.lax.broadcasted_iota(jnp.int32, (g, logits.shape[1]), 0) < n
 
     def step(index):
@@ -193,7 +141,7 @@ def backward_body(
 
     @pl.when(c == 0)
     def _coefficient_step():
-        logits, r = projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
+        logits, r = _pre.projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
         z = r * logits
         scale = scale_ref[...]
         a = scale * z + bias_ref[...]
@@ -209,11 +157,11 @@ def backward_body(
             )
             dh_pre = jnp.where(sublane == k, total[0:1], dh_pre)
         # Gates (pre_eps has no gradient).
-        s_pre = sigmoid(a[0:g])
+        s_pre = _pre.sigmoid(a[0:g])
         parts = [dh_pre * s_pre * (1.0 - s_pre)]
         if not gates_only:
             dh = dh_ref[...]
-            s_post = sigmoid(a[g : 2 * g])
+            s_post = _pre.sigmoid(a[g : 2 * g])
             parts.append(dh[0:g] * config.post_scale * s_post * (1.0 - s_post))
             if config.mix == "sinkhorn":
                 parts.append(_sinkhorn_backward(config, a[2 * g :], dh[g:], g, steps_ref))
@@ -252,26 +200,28 @@ def backward_body(
         dx_ref[:, k, :] = dx.astype(dx_ref.dtype)
 
 
-def backward_tile(config: Config, d: int, dtype, *, rows: int, gates_only: bool, operation: str) -> int:
-    """The token tile of the pre (or head) backward for x [T, n, d] of dtype from the VMEM plan:
-    double-buffered x [tile, n, Dp] and dli [tile, Dp] blocks, dx_partial and dx [tile, n, chunk]
-    blocks, f32 temporaries (four of a stream at the first chunk, three of a chunk after), the
-    Sinkhorn steps, the column pack and the logit-sized temporaries; fixed: the weight and the
-    gradient accumulator (rows, n Dp), double-buffered."""
+def backward_tile(
+    config: Config, d: int, dtype, *, rows: int, gates_only: bool, operation: str, capacity: int | None = None
+) -> int:
+    """The token tile of the pre (or head) backward for x [T, n, d] of dtype on a chip with
+    `capacity` bytes of VMEM (default: the chip traced for, _layout.chip_vmem), from the VMEM
+    plan: double-buffered x [tile, n, Dp] and dli [tile, Dp] blocks, dx_partial and dx
+    [tile, n, chunk] blocks, f32 temporaries (four of a stream at the first chunk, three of a chunk
+    after), the Sinkhorn steps, the column pack and the logit-sized temporaries; fixed: the weight
+    (rows, n Dp) single-buffered and the gradient accumulator of its shape, double-buffered."""
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     size = jnp.dtype(dtype).itemsize
-    streams = _layout.stream_sublanes(config.n, size)
+    n, g = config.n, _layout.group_rows(config.n)
+    streams = _layout.stream_sublanes(n, size)
     chunk_streams = (1 if gates_only else 2) * 2 * streams * chunk * size
-    per_token = 2 * streams * padded * size + 2 * padded * size + chunk_streams
-    per_token += 4 * padded * 4 + 3 * chunk * 4
-    steps = 0 if gates_only or config.mix != "sinkhorn" else 2 * config.sinkhorn_iters * config.n * config.n
-    g = _layout.group_rows(config.n)
-    per_token += 4 * (
-        steps + _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES) + 8 * rows + 2 * (1 + config.n) * g
-    )
-    fixed = 4 * 2 * rows * config.n * padded * 4
-    return _layout.choose_token_tile(operation, per_token, fixed)
+    per_token = 2 * streams * padded * size + 2 * padded * size + chunk_streams + 4 * padded * 4 + 3 * chunk * 4
+    steps = 2 * config.sinkhorn_iters * n * g if not gates_only and config.mix == "sinkhorn" else 0
+    pack = _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES)
+    per_token += 4 * (steps + pack + 8 * rows + 2 * (1 + n) * g)
+    fixed = 3 * rows * n * padded * 4
+    budget = _layout.vmem_budget(capacity or _layout.chip_vmem())
+    return _layout.choose_token_tile(operation, per_token, fixed, budget)
 
 
 def _check(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Params, tile):
@@ -336,6 +286,8 @@ def run(
     gates_only = dh is None
     size = x.dtype.itemsize
     whole = lambda i, c: (0, 0)  # noqa: E731
+    # The parameters' blocks never change: fetched once, single-buffered.
+    once = pl.Buffered(buffer_count=1)
     streams = pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c))
     operands = [_padded(dlayer_in, padded)]
     in_specs = [pl.BlockSpec((tile, padded), lambda i, c: (i, 0))]
@@ -345,13 +297,13 @@ def run(
     operands += [_padded(x, padded), weight, scale, bias]
     in_specs += [
         pl.BlockSpec((tile, n, padded), lambda i, c: (i, 0, 0)),
-        pl.BlockSpec(weight.shape, whole),
-        pl.BlockSpec((rows, 1), whole),
-        pl.BlockSpec((rows, 1), whole),
+        pl.BlockSpec(weight.shape, whole, pipeline_mode=once),
+        pl.BlockSpec((rows, 1), whole, pipeline_mode=once),
+        pl.BlockSpec((rows, 1), whole, pipeline_mode=once),
     ]
     if table_t is not None:
         operands.append(table_t)
-        in_specs.append(pl.BlockSpec(table_t.shape, whole))
+        in_specs.append(pl.BlockSpec(table_t.shape, whole, pipeline_mode=once))
     scratch = []
     sinkhorn = not gates_only and config.mix == "sinkhorn"
     if sinkhorn:
@@ -421,7 +373,8 @@ def run(
         scratch_shapes=scratch,
         # Both axes sequential: the parameter gradients accumulate over the tiles in order.
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"), vmem_limit_bytes=_layout.VMEM_LIMIT
+            dimension_semantics=("arbitrary", "arbitrary"),
+            vmem_limit_bytes=_layout.vmem_limit(_layout.chip_vmem()),
         ),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
