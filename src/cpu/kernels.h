@@ -3,22 +3,10 @@
 // the thread pool.
 #pragma once
 
-#include <vector>
-
 #include "../core/validate.h"
 #include "mhc/ops.h"
 
 namespace mhc::cpu {
-
-// A buffer of at least `count` elements that persists across calls: pass a thread_local vector.
-// Fresh multi-MiB allocations are mmapped and zero-filled page by page on first touch, which
-// took a fifth of pre_backward's time; a reused buffer is resident. Each calling thread keeps
-// the largest buffers it has needed (the CPU backend's workspace, see docs/design.md).
-template <class T>
-T* workspace(std::vector<T>& storage, size_t count) {
-  if (storage.size() < count) storage.resize(count);
-  return storage.data();
-}
 
 // The one dtype dispatch of the CPU backend: calls body(X{}) with X the activation type (float or
 // bf16) of `dtype`.
@@ -76,7 +64,7 @@ void head_backward(const Config& config, const detail::Dims& dims, const TensorR
                    const TensorRef& x, const HeadParams& params, const MutableTensorRef& dx,
                    const HeadGrads& grads);
 
-// The fused boundary (mhc/ops.h).
+// The fused boundary (mhc/ops.h), in boundary.cc.
 void boundary_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
                       const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
                       const Params& next_params, const MutableTensorRef& x_next,

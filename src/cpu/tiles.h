@@ -11,6 +11,7 @@
 #include "projection.h"
 #include "thread_pool.h"
 #include "vector_math.h"
+#include "workspace.h"
 
 namespace mhc::cpu {
 
@@ -59,21 +60,33 @@ inline void widen_columns(const bf16* x, int64_t tokens, int64_t M, int64_t m0, 
   for (int64_t t = 0; t < tokens; ++t) widen(x + t * M + m0, dst + t * M + m0, m1 - m0);
 }
 
+// Workspace of project_split_rows for tiles of up to `tile` tokens: the f32 block sums of every
+// block of rows, and their double total.
+struct SplitRowsScratch {
+  float* sums;   // [blocks, tile, NP]
+  double* wide;  // [tile, NP]
+};
+inline size_t split_rows_bytes(int64_t tile, int64_t M, int64_t N) {
+  const int64_t NP = padded_width(N), blocks = ceil_div(M, kProjectionBlock);
+  return Workspace::bytes_for<float>(static_cast<size_t>(blocks * tile * NP)) +
+         Workspace::bytes_for<double>(static_cast<size_t>(tile * NP));
+}
+inline SplitRowsScratch take_split_rows(Workspace& workspace, int64_t tile, int64_t M, int64_t N) {
+  const int64_t NP = padded_width(N), blocks = ceil_div(M, kProjectionBlock);
+  return {workspace.take<float>(static_cast<size_t>(blocks * tile * NP)),
+          workspace.take<double>(static_cast<size_t>(tile * NP))};
+}
+
 // A tile with fewer tiles than threads to share: its projection P [tokens, N] split over the
 // threads by blocks of rows of W, each range widening its own columns of x (bf16) first. The
 // block sums are added in block order, so P has the same bits as project() on one thread.
 // Returns the tile of x as f32 (staging itself for bf16; staging then holds tokens x M).
 template <class X>
 const float* project_split_rows(const X* x, int64_t tokens, const FoldedWeight& w, float* staging,
-                                float* P) {
+                                float* P, const SplitRowsScratch& scratch) {
   const int64_t M = w.M, NP = padded_width(w.N);
   const int64_t blocks = ceil_div(M, kProjectionBlock);
-  thread_local std::vector<float> sums_storage;
-  thread_local std::vector<double> wide;
-  if (sums_storage.size() < static_cast<size_t>(blocks * tokens * NP)) {
-    sums_storage.resize(static_cast<size_t>(blocks * tokens * NP));
-  }
-  float* sums = sums_storage.data();
+  float* sums = scratch.sums;
   const float* xf = staging;
   if constexpr (std::is_same_v<X, float>) xf = x;
   ThreadPool& pool = ThreadPool::instance();
@@ -86,9 +99,9 @@ const float* project_split_rows(const X* x, int64_t tokens, const FoldedWeight& 
     widen_columns(x, tokens, M, b0 * kProjectionBlock, std::min(M, b1 * kProjectionBlock), staging);
     project_blocks(xf, tokens, w, b0, b1, sums + b0 * tokens * NP);
   });
-  wide.assign(static_cast<size_t>(tokens * NP), 0.0);
-  add_block_sums(sums, blocks, tokens, NP, wide.data());
-  round_projection(wide.data(), tokens, w.N, P);
+  std::fill_n(scratch.wide, tokens * NP, 0.0);
+  add_block_sums(sums, blocks, tokens, NP, scratch.wide);
+  round_projection(scratch.wide, tokens, w.N, P);
   return xf;
 }
 
