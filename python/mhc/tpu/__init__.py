@@ -10,8 +10,9 @@ backends' FFI target to a function taking the same operands in the same order,
 ``kernel(config, *operands, interpret=None)``, and returning the same results. The dispatch in
 mhc.jax reads it, so a kernel added here is used on a TPU with no other change."""
 
-from mhc.jax._types import Params
+from mhc.jax._types import HeadParams, Params
 from mhc.tpu._boundary import boundary_forward
+from mhc.tpu._head import head_backward, head_forward
 from mhc.tpu._layout import TOKEN_TILES
 from mhc.tpu._post import post_backward, post_forward
 from mhc.tpu._pre import pre_forward
@@ -35,12 +36,32 @@ def _pre_backward_target(
     return pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params, interpret=interpret)
 
 
+def _head_forward_target(config, x, fn, base, scale, *, interpret=None):
+    return head_forward(config, x, HeadParams(fn, base, scale), interpret=interpret)
+
+
+def _head_backward_target(config, dout, x, fn, base, scale, *, interpret=None):
+    return head_backward(config, dout, x, HeadParams(fn, base, scale), interpret=interpret)
+
+
 KERNELS = {
     "mhc_pre_forward": _pre_forward_target,
     "mhc_post_forward": post_forward,
     "mhc_post_backward": post_backward,
     "mhc_boundary_forward": _boundary_forward_target,
     "mhc_pre_backward": _pre_backward_target,
+    "mhc_head_forward": _head_forward_target,
+    "mhc_head_backward": _head_backward_target,
 }
 
-__all__ = ["KERNELS", "TOKEN_TILES", "boundary_forward", "post_backward", "post_forward", "pre_backward", "pre_forward"]
+__all__ = [
+    "KERNELS",
+    "TOKEN_TILES",
+    "boundary_forward",
+    "head_backward",
+    "head_forward",
+    "post_backward",
+    "post_forward",
+    "pre_backward",
+    "pre_forward",
+]

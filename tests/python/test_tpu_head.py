@@ -1,0 +1,155 @@
+"""DeepSeek-V4's head on the TPU (mhc.tpu.head_forward, head_backward), checked without a TPU as
+test_tpu_kernels.py checks the other kernels: in TPU interpret mode with race detection against
+the float64 reference (numpy_reference.head_values; the gates from numpy_reference's forward with
+the head put in the pre layout, as the C++ head does), lowered to Mosaic at every token tile, and
+the MXU precision of every matmul read back from the lowered module."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mhc.jax as mj
+import mhc.tpu
+import numpy_reference
+from conftest import assert_matches, round_by_one_unit
+from test_head import random_head
+from test_tpu_kernels import CUSTOM, INTERPRET, TILE, _case_id, _export, _mosaic_modules, _no_races, _tolerance
+
+# (n, D, T, dtype, config scalars).
+CASES = [
+    (4, 130, 300, jnp.float32, {}),
+    (3, 1, 37, jnp.bfloat16, {}),
+    (1, 130, 1, jnp.float32, CUSTOM),
+    (8, 1, 37, jnp.float32, CUSTOM),
+    (3, 600, 37, jnp.float32, {}),  # Dp = 640: the backward's five feature chunks
+    (4, 1024, 37, jnp.bfloat16, CUSTOM),
+    (3, 130, 0, jnp.float32, {}),
+]
+NAMES = ("out", "gates", "dx", "dfn", "dbase", "dscale")
+
+
+def _oracle(config, x, head, dout, noise=None):
+    """(out, gates, dx, dfn, dbase, dscale) in float64: numpy_reference.head_values, and the gates
+    as the pre forward's h_pre with phi = [fn^T | 0], alpha = (scale, 0, 0), bias = [base | 0] and
+    no norm weight (spec: Head, steps 1-4 with only the pre columns)."""
+    n, d = x.shape[1:]
+    fn, base, scale = (np.asarray(p, np.float64) for p in head)
+    pre = mj.Config(n=n, rms_eps=config.rms_eps, pre_eps=config.pre_eps)
+    zeros = np.zeros(pre.projection_width - n)
+    params = mj.Params(
+        np.ones(n * d),
+        np.concatenate([fn.T, np.zeros((n * d, len(zeros)))], axis=1),
+        np.array([scale[0], 0.0, 0.0]),
+        np.concatenate([base, zeros]),
+    )
+    gates = numpy_reference._forward(x, np.zeros((len(x), d)), params, pre, noise)["h_pre"]
+    out, dx, dfn, dbase, dscale = numpy_reference.head_values(x, head, config, dout, noise)
+    return out, gates, dx, dfn, dbase, dscale
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_head_forward_and_backward_match_reference(seed, case):
+    n, d, t, dtype, scalars = case
+    config = mj.Config(n=n, **scalars)
+    rng = np.random.default_rng(seed)
+    head = random_head(rng, n, d)
+    x = rng.standard_normal((t, n, d))
+    if t > 1:
+        x[t // 2] = 0.0  # an all-zero token: r = 1 / sqrt(rms_eps)
+    x = jnp.asarray(x, dtype)
+    dout = jnp.asarray(rng.standard_normal((t, d)), dtype)
+    got = mhc.tpu.head_forward(config, x, head, tile=TILE, interpret=INTERPRET)
+    _no_races()
+    got += mhc.tpu.head_backward(config, dout, x, head, tile=TILE, interpret=INTERPRET)
+    _no_races()
+    as64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    x64, dout64 = as64(x), as64(dout)
+    want = _oracle(config, x64, head, dout64)
+    dtypes = (dtype, jnp.float32, dtype, jnp.float32, jnp.float32, jnp.float32)
+    for index, (name, value) in enumerate(zip(NAMES, got, strict=True)):
+        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
+        assert value.dtype == dtypes[index], f"{name}: dtype {value.dtype}"
+        assert_matches(
+            name,
+            value,
+            want[index],
+            _tolerance(value.dtype),
+            lambda rng, i=index: _oracle(config, *(round_by_one_unit(rng, v) for v in (x64, head, dout64)), rng)[i],
+            f"(seed {seed})",
+        )
+
+
+def test_head_is_batch_invariant(seed):
+    """A token's out, gates and dx depend only on its own inputs (spec: Accuracy, batch
+    invariance): token 150 of a three-tile call equals the same token alone, bit for bit."""
+    config = mj.Config(n=4)
+    rng = np.random.default_rng(seed)
+    head = random_head(rng, 4, 130)
+    x = jnp.asarray(rng.standard_normal((300, 4, 130)), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((300, 130)), jnp.bfloat16)
+    one = slice(150, 151)
+    many = mhc.tpu.head_forward(config, x, head, tile=TILE, interpret=INTERPRET)
+    many += mhc.tpu.head_backward(config, dout, x, head, tile=TILE, interpret=INTERPRET)[:1]
+    alone = mhc.tpu.head_forward(config, x[one], head, tile=TILE, interpret=INTERPRET)
+    alone += mhc.tpu.head_backward(config, dout[one], x[one], head, tile=TILE, interpret=INTERPRET)[:1]
+    for name, a, b in zip(("out", "gates", "dx"), many, alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(a[one], np.float32), np.asarray(b, np.float32), err_msg=name)
+    _no_races()
+
+
+def _arguments(n, d, t, dtype):
+    head = random_head(np.random.default_rng(0), n, d)
+    return jnp.zeros((t, d), dtype), jnp.zeros((t, n, d), dtype), head
+
+
+def test_head_dots_carry_full_f32_precision():
+    """Every matmul of both kernels asks the MXU for fp32 contraction precision: the forward's
+    projection and sum of squares; the backward's, its dH_pre sums, projection gradient and dx."""
+    config = mj.Config(n=3)
+    dout, x, head = _arguments(3, 130, 37, jnp.bfloat16)
+    forward = _mosaic_modules(_export(lambda x, h: mhc.tpu.head_forward(config, x, h), x, head))
+    backward = _mosaic_modules(_export(lambda *a: mhc.tpu.head_backward(config, *a), dout, x, head))
+    for kernels, count in ((forward, 2 * config.n), (backward, 5 * config.n)):
+        assert len(kernels) == 1
+        matmuls = [line for line in kernels[0].splitlines() if "tpu.matmul" in line]
+        assert len(matmuls) == count, matmuls
+        for line in matmuls:
+            assert "precision = #tpu.contract_precision<fp32>" in line, line
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_every_tile_lowers_for_tpu(dtype):
+    """Every token tile the wrappers can choose passes the Pallas -> Mosaic lowering, at a D that
+    pads and takes two feature chunks in the backward and a ragged T."""
+    config = mj.Config(n=4)
+    dout, x, head = _arguments(4, 600, 300, dtype)
+    for tile in mhc.tpu.TOKEN_TILES:
+        forward = lambda x, h, tile=tile: mhc.tpu.head_forward(config, x, h, tile=tile)  # noqa: E731
+        backward = lambda *a, tile=tile: mhc.tpu.head_backward(config, *a, tile=tile)  # noqa: E731
+        assert "tpu_custom_call" in _export(forward, x, head)
+        assert "tpu_custom_call" in _export(backward, dout, x, head)
+
+
+def test_tiles_follow_the_vmem_plan():
+    config = mj.Config(n=4)
+    assert mhc.tpu._head.forward_tile(config, 130, jnp.float32) == max(mhc.tpu.TOKEN_TILES)
+    assert mhc.tpu._head.backward_tile(config, 7168, jnp.bfloat16) in mhc.tpu.TOKEN_TILES
+    with pytest.raises(ValueError, match=r"mhc.tpu.head_backward: .*MiB of VMEM, over the .*MiB budget"):
+        mhc.tpu._head.backward_tile(mj.Config(n=8), 65536, jnp.float32)
+
+
+def test_bad_arguments_are_named():
+    config = mj.Config(n=4)
+    dout, x, head = _arguments(4, 8, 5, jnp.float32)
+    with pytest.raises(ValueError, match=r"head_forward: x: expected \[T, n = 4, D\]"):
+        mhc.tpu.head_forward(config, jnp.zeros((5, 3, 8)), head)
+    with pytest.raises(ValueError, match=r"head_forward: x: expected float32 or bfloat16"):
+        mhc.tpu.head_forward(config, x.astype(jnp.float16), head)
+    with pytest.raises(ValueError, match=r"head_forward: head.fn: expected shape \(4, 32\)"):
+        mhc.tpu.head_forward(config, x, head._replace(fn=head.fn[:, :30]))
+    with pytest.raises(ValueError, match=r"head_backward: head.scale: expected shape \(1,\)"):
+        mhc.tpu.head_backward(config, dout, x, head._replace(scale=np.ones(2, np.float32)))
+    with pytest.raises(ValueError, match=r"head_backward: dout: expected shape \(5, 8\) and dtype float32"):
+        mhc.tpu.head_backward(config, dout.astype(jnp.bfloat16), x, head)
+    with pytest.raises(ValueError, match=r"tile: expected one of"):
+        mhc.tpu.head_forward(config, x, head, tile=100)
