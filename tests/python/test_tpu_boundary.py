@@ -1,7 +1,7 @@
-"""The TPU kernel of the fused boundary forward (mhc.tpu.boundary_forward), checked without a TPU
-(docs/tpu.md): in TPU interpret mode with race detection against the float64 reference, bit for
-bit against post_forward then pre_forward, batch invariant, and exported for TPU at every token
-tile. Interpret mode costs ~50 ms per grid step and 1-3 s of tracing per shape: a sample of the
+"""The TPU kernels of the fused boundary (mhc.tpu.boundary_forward, boundary_backward), checked
+without a TPU (docs/tpu.md): in TPU interpret mode with race detection against the float64
+reference, bit for bit against the separate post and pre kernels, batch invariant, and exported
+for TPU at every token tile. Interpret mode costs ~50 ms per grid step and 1-3 s of tracing per shape: a sample of the
 CPU suite's families, each case a few grid steps."""
 
 import jax.numpy as jnp
@@ -12,14 +12,13 @@ import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
 from conftest import assert_matches, random_numpy_params, round_by_one_unit
-from test_tpu_kernels import INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _post_problem, _tolerance
-
-CUSTOM = dict(sinkhorn_iters=7, sinkhorn_eps=1e-4, rms_eps=1e-3, pre_eps=0.1, post_scale=1.5)
+from test_tpu_kernels import CUSTOM, INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _post_problem, _tolerance
+from test_tpu_pre_backward import _oracle as _pre_backward_oracle
 
 # (n, D, T, mix, x dtype, layer_out dtype, config scalars, token tile): a sample of the product,
 # with a ragged last tile in each case of more than one token.
 CASES = [
-    (4, 130, 300, "sinkhorn", jnp.float32, jnp.float32, {}, 128),
+    (4, 130, 45, "sinkhorn", jnp.float32, jnp.float32, {}, 32),
     (3, 1, 37, "permutations", jnp.bfloat16, jnp.bfloat16, CUSTOM, 32),
     (1, 130, 1, "sinkhorn", jnp.bfloat16, jnp.float32, {}, 128),
     (8, 1, 37, "sinkhorn", jnp.float32, jnp.float32, CUSTOM, 64),
@@ -27,6 +26,17 @@ CASES = [
     (3, 130, 0, "sinkhorn", jnp.float32, jnp.float32, {}, 128),
 ]
 NAMES = ("x_next", "layer_in", "h_pre", "h_post", "h_res")
+# (n, D, T, mix, x dtype, layer_out dtype, config scalars, token tile) of the backward, whose grid
+# is token tiles x feature chunks. n = 8 only in the forward: the backward's two halves are the
+# post and pre backward kernels' bodies, each checked at n = 8 in its own file, and an n = 8 pre
+# backward costs ~40 s here.
+BACKWARD_CASES = [
+    (4, 130, 37, "sinkhorn", jnp.float32, jnp.float32, {}, 32),
+    (3, 600, 20, "permutations", jnp.bfloat16, jnp.bfloat16, CUSTOM, 128),  # Dp = 640: five chunks
+    (1, 1, 1, "sinkhorn", jnp.bfloat16, jnp.float32, {}, 128),
+    (3, 130, 0, "permutations", jnp.float32, jnp.float32, {}, 128),
+]
+BACKWARD_NAMES = ("dx_partial", "dlayer_out", "dh_post", "dh_res", "dnorm_weight", "dphi", "dalpha", "dbias")
 
 
 def _problem(rng, config, d, t, dtype, layer_out_dtype):
@@ -81,13 +91,12 @@ def test_boundary_forward_matches_reference(seed, case):
         )
 
 
-@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
-def test_boundary_forward_equals_post_then_pre_bit_for_bit(seed, mix):
+def test_boundary_forward_equals_post_then_pre_bit_for_bit(seed):
     """The fused kernel runs the post and pre kernels' own bodies: the same bits as post_forward
-    then pre_forward at the same tile (bf16, a ragged tile of 32, D padded)."""
-    config = mj.Config(n=4, mix=mix)
+    then pre_forward at the same tile (bf16, two tiles of 32 with a ragged last, D padded)."""
+    config = mj.Config(n=4)
     rng = np.random.default_rng(seed)
-    x, layer_out, h_post, h_res, params = _problem(rng, config, 130, 45, jnp.bfloat16, jnp.bfloat16)
+    x, layer_out, h_post, h_res, params = _problem(rng, config, 130, 37, jnp.bfloat16, jnp.bfloat16)
     fused = mhc.tpu.boundary_forward(config, x, layer_out, h_post, h_res, params, tile=32, interpret=INTERPRET)
     x_next = mhc.tpu.post_forward(config, x, layer_out, h_post, h_res, tile=32, interpret=INTERPRET)
     separate = (x_next, *mhc.tpu.pre_forward(config, x_next, params, tile=32, interpret=INTERPRET))
@@ -97,14 +106,15 @@ def test_boundary_forward_equals_post_then_pre_bit_for_bit(seed, mix):
 
 
 def test_boundary_forward_is_batch_invariant(seed):
-    """Token 150 of a three-tile call equals the same token alone, bit for bit (spec: Accuracy)."""
+    """Token 40 of a three-tile call (the middle of the second) equals the same token alone, bit
+    for bit (spec: Accuracy, batch invariance)."""
     config = mj.Config(n=4)
     rng = np.random.default_rng(seed)
-    x, layer_out, h_post, h_res, params = _problem(rng, config, 130, 300, jnp.bfloat16, jnp.bfloat16)
-    one = slice(150, 151)
-    many = mhc.tpu.boundary_forward(config, x, layer_out, h_post, h_res, params, tile=128, interpret=INTERPRET)
+    x, layer_out, h_post, h_res, params = _problem(rng, config, 130, 80, jnp.bfloat16, jnp.bfloat16)
+    one = slice(40, 41)
+    many = mhc.tpu.boundary_forward(config, x, layer_out, h_post, h_res, params, tile=32, interpret=INTERPRET)
     alone = mhc.tpu.boundary_forward(
-        config, x[one], layer_out[one], h_post[one], h_res[one], params, tile=128, interpret=INTERPRET
+        config, x[one], layer_out[one], h_post[one], h_res[one], params, tile=32, interpret=INTERPRET
     )
     _no_races()
     for name, a, b in zip(NAMES, many, alone, strict=True):
@@ -113,20 +123,31 @@ def test_boundary_forward_is_batch_invariant(seed):
 
 @pytest.mark.parametrize(("mix", "dtype"), [("sinkhorn", jnp.float32), ("permutations", jnp.bfloat16)])
 def test_every_tile_lowers_for_tpu(mix, dtype):
-    """Every token tile the wrapper can choose passes the Pallas -> Mosaic lowering, at a D that
-    pads and a ragged T; every matmul asks the MXU for fp32 contraction precision."""
-    n, d, t = 4, 130, 300
+    """Every token tile the wrappers can choose passes the Pallas -> Mosaic lowering, forward and
+    backward, at a D that pads and takes two feature chunks (Dp = 768) and a ragged T; every matmul
+    asks the MXU for fp32 contraction precision (the forward: the projection and the sum of
+    squares per stream; the backward: the pre backward's five per stream; both: the permutation
+    table's)."""
+    n, d, t = 4, 700, 300
     config = mj.Config(n=n, mix=mix)
     x, layer_out, h_post, h_res, params = _problem(np.random.default_rng(0), config, d, t, dtype, dtype)
+    cotangents = (layer_out, x, h_post, h_res)
     for tile in mhc.tpu.TOKEN_TILES:
 
-        def boundary(*a, tile=tile):
+        def forward(*a, tile=tile):
             return mhc.tpu.boundary_forward(config, *a, tile=tile)
 
-        (kernel,) = _mosaic_modules(_export(boundary, x, layer_out, h_post, h_res, params))
-        matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
-        assert len(matmuls) == 2 * n + (mix == "permutations"), (tile, matmuls)
-        assert all("precision = #tpu.contract_precision<fp32>" in line for line in matmuls), (tile, matmuls)
+        def backward(*a, tile=tile):
+            return mhc.tpu.boundary_backward(config, *a, tile=tile)
+
+        for function, arguments, per_stream in (
+            (forward, (x, layer_out, h_post, h_res, params), 2),
+            (backward, (*cotangents, x, layer_out, h_post, h_res, params), 5),
+        ):
+            (kernel,) = _mosaic_modules(_export(function, *arguments))
+            matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
+            assert len(matmuls) == per_stream * n + (mix == "permutations"), (tile, matmuls)
+            assert all("precision = #tpu.contract_precision<fp32>" in line for line in matmuls), (tile, matmuls)
 
 
 def test_vmem_plan_and_bad_arguments():
@@ -137,8 +158,11 @@ def test_vmem_plan_and_bad_arguments():
     for d in (4096, 5120, 7168):
         for dtype in (jnp.bfloat16, jnp.float32):
             assert mhc.tpu._boundary.forward_tile(config, d, dtype, dtype, big) in mhc.tpu.TOKEN_TILES
+            assert mhc.tpu._boundary.backward_tile(config, d, dtype, dtype, big) in mhc.tpu.TOKEN_TILES
     with pytest.raises(ValueError, match=r"mhc.tpu.boundary_forward: .*VMEM.*budget"):
         mhc.tpu._boundary.forward_tile(mj.Config(n=8), 65536, jnp.float32, jnp.float32, big)
+    with pytest.raises(ValueError, match=r"mhc.tpu.boundary_backward: .*VMEM.*budget"):
+        mhc.tpu._boundary.backward_tile(mj.Config(n=8), 65536, jnp.float32, jnp.float32, big)
     params = random_numpy_params(np.random.default_rng(0), config, 8)
     x, layer_out, h_post, h_res = jnp.zeros((5, 4, 8)), jnp.zeros((5, 8)), jnp.zeros((5, 4)), jnp.zeros((5, 4, 4))
     with pytest.raises(ValueError, match=r"boundary_forward: layer_out: expected shape \(5, 8\)"):
@@ -147,3 +171,88 @@ def test_vmem_plan_and_bad_arguments():
         mhc.tpu.boundary_forward(config, x, layer_out, h_post, h_res, params._replace(phi=params.phi[:, :20]))
     with pytest.raises(ValueError, match=r"boundary_forward: tile: expected one of"):
         mhc.tpu.boundary_forward(config, x, layer_out, h_post, h_res, params, tile=100)
+    cotangents = (layer_out, x, h_post, h_res)
+    with pytest.raises(ValueError, match=r"boundary_backward: dx_partial_next: expected shape \(5, 4, 8\) and dtype"):
+        mhc.tpu.boundary_backward(
+            config, layer_out, x.astype(jnp.bfloat16), h_post, h_res, x, layer_out, h_post, h_res, params
+        )
+    with pytest.raises(ValueError, match=r"boundary_backward: h_res: expected shape \(5, 4, 4\)"):
+        mhc.tpu.boundary_backward(config, *cotangents, x, layer_out, h_post, jnp.zeros((5, 16)), params)
+
+
+def _backward_oracle(config, x, layer_out, h_post, h_res, params, dli, g_next, layer_out_next, dtype, noise=None):
+    """The boundary backward in float64 and the kernel's cotangent inputs. x_next is the post of
+    (x, layer_out, h_post, h_res) rounded to x's dtype, as the forward stores it; its cotangents
+    come from a cotangent g_next of the next post's output and a next layer_out (as in
+    test_tpu_pre_backward), so the reference's full backward of l+1 gives dx_next, the g of
+    post l's backward (spec: Backward, Post)."""
+    x_next = _f64(jnp.asarray(_post_oracle(x, layer_out, h_post, h_res), dtype))
+    (dx_next, *dparams), cotangents, _ = _pre_backward_oracle(
+        config, x_next, layer_out_next, params, dli, g_next, noise
+    )
+    post = (
+        np.einsum("tij,tjd->tid", h_res, dx_next),
+        np.einsum("tj,tjd->td", h_post, dx_next),
+        np.einsum("td,tjd->tj", layer_out, dx_next),
+        np.einsum("tid,tjd->tij", x, dx_next),
+    )
+    return (*post, *dparams), cotangents
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=_case_id)
+def test_boundary_backward_matches_reference(seed, case):
+    """Every output against the float64 reference. With bf16 x, dx_{l+1} is rounded to bf16 on its
+    way from the pre backward of l+1 to the post backward of l (as the separate calls store it):
+    every output then carries a bf16 rounding and is held to the bf16 bound."""
+    n, d, t, mix, dtype, layer_out_dtype, scalars, tile = case
+    config = mj.Config(n=n, mix=mix, **scalars)
+    rng = np.random.default_rng(seed)
+    x, layer_out, h_post, h_res, params = _problem(rng, config, d, t, dtype, layer_out_dtype)
+    dli = jnp.asarray(rng.standard_normal((t, d)), dtype)
+    g_next, layer_out_next = rng.standard_normal((t, n, d)), rng.standard_normal((t, d))
+    inputs = tuple(_f64(a) for a in (x, layer_out, h_post, h_res)) + (params, _f64(dli), g_next, layer_out_next)
+    want, (dx_partial_next, dh_post_next, dh_res_next) = _backward_oracle(config, *inputs, dtype)
+    cotangents = (
+        dli,
+        jnp.asarray(dx_partial_next, dtype),
+        jnp.asarray(dh_post_next, jnp.float32),
+        jnp.asarray(dh_res_next, jnp.float32),
+    )
+    got = mhc.tpu.boundary_backward(
+        config, *cotangents, x, layer_out, h_post, h_res, params, tile=tile, interpret=INTERPRET
+    )
+    _no_races()
+    dtypes = (dtype, layer_out_dtype) + (jnp.float32,) * 6
+
+    def perturbed(rng, index):
+        return _backward_oracle(config, *(round_by_one_unit(rng, a) for a in inputs), dtype, rng)[0][index]
+
+    for index, (name, value) in enumerate(zip(BACKWARD_NAMES, got, strict=True)):
+        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
+        assert value.dtype == dtypes[index], f"{name}: dtype {value.dtype}"
+        tolerance = max(_tolerance(dtype), _tolerance(value.dtype))
+        assert_matches(name, value, want[index], tolerance, lambda r, i=index: perturbed(r, i), f"(seed {seed})")
+
+
+def test_boundary_backward_equals_separate_kernels_bit_for_bit(seed):
+    """post_forward (x_next), pre_backward of l+1, then post_backward of l with its dx: the same
+    bits as the fused kernel (bf16, two tiles of 32 with a ragged last: the parameter gradients'
+    sums over tiles in the same order)."""
+    config = mj.Config(n=3)
+    n, d, t = 3, 130, 37
+    rng = np.random.default_rng(seed)
+    x, layer_out, h_post, h_res, params = _problem(rng, config, d, t, jnp.bfloat16, jnp.bfloat16)
+    cotangents = (
+        jnp.asarray(rng.standard_normal((t, d)), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal((t, n, d)), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal((t, n)), jnp.float32),
+        jnp.asarray(rng.standard_normal((t, n, n)), jnp.float32),
+    )
+    kw = dict(tile=32, interpret=INTERPRET)
+    fused = mhc.tpu.boundary_backward(config, *cotangents, x, layer_out, h_post, h_res, params, **kw)
+    x_next = mhc.tpu.post_forward(config, x, layer_out, h_post, h_res, **kw)
+    dx_next, *parameter_grads = mhc.tpu.pre_backward(config, *cotangents, x_next, params, **kw)
+    separate = (*mhc.tpu.post_backward(config, dx_next, x, layer_out, h_post, h_res, **kw), *parameter_grads)
+    _no_races()
+    for name, a, b in zip(BACKWARD_NAMES, fused, separate, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)

@@ -11,7 +11,7 @@ backends' FFI target to a function taking the same operands in the same order,
 mhc.jax reads it, so a kernel added here is used on a TPU with no other change."""
 
 from mhc.jax._types import HeadParams, Params
-from mhc.tpu._boundary import boundary_forward
+from mhc.tpu._boundary import boundary_backward, boundary_forward
 from mhc.tpu._head import head_backward, head_forward
 from mhc.tpu._layout import TOKEN_TILES
 from mhc.tpu._post import post_backward, post_forward
@@ -36,6 +36,28 @@ def _pre_backward_target(
     return pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params, interpret=interpret)
 
 
+def _boundary_backward_target(
+    config,
+    dlayer_in,
+    dx_partial_next,
+    dh_post_next,
+    dh_res_next,
+    x,
+    layer_out,
+    h_post,
+    h_res,
+    norm_weight,
+    phi,
+    alpha,
+    bias,
+    *,
+    interpret=None,
+):
+    cotangents = (dlayer_in, dx_partial_next, dh_post_next, dh_res_next)
+    params = Params(norm_weight, phi, alpha, bias)
+    return boundary_backward(config, *cotangents, x, layer_out, h_post, h_res, params, interpret=interpret)
+
+
 def _head_forward_target(config, x, fn, base, scale, *, interpret=None):
     return head_forward(config, x, HeadParams(fn, base, scale), interpret=interpret)
 
@@ -52,11 +74,13 @@ KERNELS = {
     "mhc_pre_backward": _pre_backward_target,
     "mhc_head_forward": _head_forward_target,
     "mhc_head_backward": _head_backward_target,
+    "mhc_boundary_backward": _boundary_backward_target,
 }
 
 __all__ = [
     "KERNELS",
     "TOKEN_TILES",
+    "boundary_backward",
     "boundary_forward",
     "head_backward",
     "head_forward",

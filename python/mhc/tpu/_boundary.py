@@ -20,9 +20,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from mhc.jax._types import Config, Params
-from mhc.tpu import _layout, _post, _pre
+from mhc.tpu import _layout, _post, _pre, _pre_backward
 
 _F32 = jnp.float32
 
@@ -117,3 +118,251 @@ def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params
         interpret=interpret if interpret is not None else False,
     )(_post._padded(x, padded), _post._padded(layer_out, padded), h_post, h_res.reshape(t, n * n), *parameters)
     return (x_next[:, :, :d], layer_in[:, :d], *_pre.split_coefficients(config, coefficients, t))
+
+
+def _backward_kernel(*refs, config: Config, features: int, tokens: int, sinkhorn: bool, permutations: bool):
+    refs = list(refs)
+    dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
+    weight_ref, scale_ref, bias_ref = refs[7:10]
+    refs = refs[10:]
+    table_t_ref = refs.pop(0) if permutations else None
+    dx_partial_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, gram_ref, dbias_ref, dalpha_ref = refs[:7]
+    refs = refs[7:]
+    x_next_ref, g_ref = refs[:2]
+    steps_ref = refs[2] if sinkhorn else None
+    columns_ref = refs[-1]
+    chunk = g_ref.shape[2]
+
+    # x_{l+1} of this tile, recomputed once (the first chunk) by the post kernel's body: the bits
+    # the forward stored.
+    @pl.when(pl.program_id(1) == 0)
+    def _recompute():
+        _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
+
+    # The pre backward of l+1 writes this chunk of dx_{l+1} (in x's dtype, as the separate calls
+    # store it) into g_ref: the cotangent of post l's output, never stored in HBM.
+    _pre_backward.backward_body(
+        dli_ref,
+        dx_partial_next_ref,
+        dh_next_ref,
+        x_next_ref,
+        weight_ref,
+        scale_ref,
+        bias_ref,
+        table_t_ref,
+        g_ref,
+        gram_ref,
+        dbias_ref,
+        dalpha_ref,
+        steps_ref,
+        columns_ref,
+        config=config,
+        features=features,
+        tokens=tokens,
+    )
+    lanes = pl.ds(pl.multiple_of(pl.program_id(1) * chunk, _layout.LANES), chunk)
+    _post._backward_kernel(
+        g_ref,
+        x_ref.at[:, :, lanes],
+        layer_out_ref.at[:, lanes],
+        h_post_ref,
+        h_res_ref,
+        dx_partial_ref,
+        dlayer_out_ref,
+        dh_post_ref,
+        dh_res_ref,
+        n=config.n,
+    )
+
+
+def backward_tile(config: Config, d: int, dtype, layer_out_dtype, capacity: int | None = None) -> int:
+    """The token tile boundary_backward chooses (VMEM plan) on a chip with `capacity` bytes."""
+    n, padded = config.n, _layout.padded_features(d)
+    chunk = _layout.feature_chunk(padded)
+    size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
+    stream_rows = _layout.stream_sublanes(n, size)
+    rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
+    # Whole-token blocks, double-buffered: x, layer_out, dlayer_in; the x_{l+1} scratch.
+    per_token = 2 * (stream_rows * padded * size + padded * (lo_size + size)) + stream_rows * padded * size
+    # Chunk blocks, double-buffered: dx_partial of l+1 in, dx_partial and dlayer_out of l out; the
+    # dx_{l+1} chunk scratch.
+    per_token += 2 * (2 * stream_rows * chunk * size + chunk * lo_size) + stream_rows * chunk * size
+    # h_post, h_res in and dh_post, dh_res out (tokens in the sublanes, 128 lanes), dh of l+1.
+    per_token += 4 * 2 * _layout.round_up(n * n, _layout.LANES) * 4 + 2 * (1 + n) * g * 4
+    # f32 temporaries: the post's n streams and its sum over a whole token, the pre backward's
+    # four of a stream; the Sinkhorn steps and the column pack, the logits.
+    per_token += (n + 1 + 4) * padded * 4 + (n + 3) * chunk * 4
+    iterations = 2 * config.sinkhorn_iters if config.mix == "sinkhorn" else 0
+    per_token += (iterations * n * g + _layout.round_up(rows + g + _layout.SUBLANES, _layout.LANES) + 8 * rows) * 4
+    # The weight (single-buffered) and the gradient accumulator (rows, n Dp) with its columns.
+    fixed = _pre.parameter_bytes(config, padded) + 2 * (rows * n * padded + 2 * rows * _layout.LANES) * 4
+    return _layout.choose_token_tile(
+        "boundary_backward", per_token, fixed, _layout.vmem_budget(capacity or _layout.chip_vmem())
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def boundary_backward(
+    config: Config,
+    dlayer_in,
+    dx_partial_next,
+    dh_post_next,
+    dh_res_next,
+    x,
+    layer_out,
+    h_post,
+    h_res,
+    params: Params,
+    *,
+    tile=None,
+    interpret=None,
+):
+    """The backward of boundary_forward: pre_backward of sublayer l+1 (x_{l+1} recomputed from x and
+    layer_out) and post_backward of l with g = its dx, fused (dx_{l+1} never stored). Operands:
+    the cotangents of l+1's layer_in [T, D] and x_{l+1} [T, n, D] (x's dtype), of its h_post
+    [T, n] and h_res [T, n, n] (f32); then boundary_forward's x, layer_out, h_post, h_res and
+    Params. Returns (dx_partial [T, n, D] x's dtype, dlayer_out [T, D] layer_out's dtype, dh_post
+    [T, n], dh_res [T, n, n], dnorm_weight [n D], dphi [n D, N], dalpha [3], dbias [N] f32): the
+    contract of mhc.jax's boundary_backward kernel. `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    _post._check("boundary_backward", config, x, layer_out, h_post, h_res, tile)
+    _pre.check_params("boundary_backward", config, x, params)
+    t, n, d = x.shape
+    for name, value, shape, dtype in (
+        ("dlayer_in", dlayer_in, (t, d), x.dtype),
+        ("dx_partial_next", dx_partial_next, x.shape, x.dtype),
+        ("dh_post_next", dh_post_next, (t, n), _F32),
+        ("dh_res_next", dh_res_next, (t, n, n), _F32),
+    ):
+        if value.shape != shape or value.dtype != dtype:
+            raise ValueError(
+                f"mhc.tpu.boundary_backward: {name}: expected shape {shape} and dtype {jnp.dtype(dtype)}, "
+                f"got {value.shape} {value.dtype}"
+            )
+    tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype)
+    if t == 0:
+        return (
+            jnp.zeros(x.shape, x.dtype),
+            jnp.zeros(layer_out.shape, layer_out.dtype),
+            jnp.zeros((0, n), _F32),
+            jnp.zeros((0, n, n), _F32),
+        ) + tuple(jnp.zeros(jnp.shape(p), _F32) for p in params)
+    padded = _layout.padded_features(d)
+    chunk = _layout.feature_chunk(padded)
+    rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
+    weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
+    parameters = [weight, scale, bias]
+    if config.mix == "permutations":
+        parameters.append(jnp.asarray(_pre._permutation_table(n).T))
+    # dH_post of l+1 at rows 0..n, row i of its dH_res at (1 + i) G (as pre_backward's dh).
+    dh_rows = list(range(n)) + [(1 + i) * g + j for i in range(n) for j in range(n)]
+    dh_next = _pre_backward.tokens_in_lanes(
+        jnp.concatenate([dh_post_next, dh_res_next.reshape(t, n * n)], axis=1), dh_rows, (1 + n) * g, tile
+    )
+    whole_stream = pl.BlockSpec((tile, n, padded), lambda i, c: (i, 0, 0))
+    whole_features = pl.BlockSpec((tile, padded), lambda i, c: (i, 0))
+    chunk_stream = pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c))
+    chunk_features = pl.BlockSpec((tile, chunk), lambda i, c: (i, c))
+    gates = pl.BlockSpec((tile, n), lambda i, c: (i, 0))
+    mix = pl.BlockSpec((tile, n * n), lambda i, c: (i, 0))
+    single = pl.Buffered(buffer_count=1)
+    resident = lambda i, c: (0, 0)  # noqa: E731
+    parameter_specs = [pl.BlockSpec(p.shape, resident, pipeline_mode=single) for p in parameters]
+    scratch = [pltpu.VMEM((tile, n, padded), x.dtype), pltpu.VMEM((tile, n, chunk), x.dtype)]
+    if config.mix == "sinkhorn":
+        scratch.append(pltpu.VMEM((2 * config.sinkhorn_iters, n * g, tile), _F32))
+    scratch.append(pltpu.VMEM((tile, rows + g + _layout.SUBLANES), _F32))
+    size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
+    flops, transcendentals, coefficient_bytes = _pre.coefficient_cost(config, t, padded)
+    dx_partial, dlayer_out, dh_post, dh_res, gram, dbias_rows, dalpha_rows = pl.pallas_call(
+        functools.partial(
+            _backward_kernel,
+            config=config,
+            features=d,
+            tokens=t,
+            sinkhorn=config.mix == "sinkhorn",
+            permutations=config.mix == "permutations",
+        ),
+        grid=(pl.cdiv(t, tile), padded // chunk),
+        in_specs=[
+            whole_features,
+            chunk_stream,
+            pl.BlockSpec((None, dh_next.shape[1], tile), lambda i, c: (i, 0, 0)),
+            whole_stream,
+            whole_features,
+            gates,
+            mix,
+            *parameter_specs,
+        ],
+        out_specs=[
+            chunk_stream,
+            chunk_features,
+            gates,
+            mix,
+            pl.BlockSpec(weight.shape, resident),
+            pl.BlockSpec((rows, 1), resident),
+            pl.BlockSpec((rows, 1), resident),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((t, n, padded), x.dtype),
+            jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
+            jax.ShapeDtypeStruct((t, n), _F32),
+            jax.ShapeDtypeStruct((t, n * n), _F32),
+            jax.ShapeDtypeStruct(weight.shape, _F32),
+            jax.ShapeDtypeStruct((rows, 1), _F32),
+            jax.ShapeDtypeStruct((rows, 1), _F32),
+        ],
+        scratch_shapes=scratch,
+        # Both axes sequential: the parameter gradients accumulate over the tiles in order, dh_post
+        # and dh_res over the chunks.
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary"),
+            vmem_limit_bytes=_layout.vmem_limit(_layout.chip_vmem()),
+        ),
+        # Spec: Boundary, (3n + 3) D e per token (x, layer_out, dx_partial of l+1, dlayer_in read;
+        # dx_partial, dlayer_out written), plus the coefficients and the parameters and their
+        # gradients.
+        cost_estimate=pl.CostEstimate(
+            flops=int(2 * flops + 6 * t * n * (n + 1) * padded),
+            transcendentals=int(2 * transcendentals),
+            bytes_accessed=int(
+                t * padded * (3 * n * size + 2 * lo_size + size) + 3 * t * (n + n * n) * 4 + 2 * coefficient_bytes
+            ),
+        ),
+        interpret=interpret if interpret is not None else False,
+    )(
+        _post._padded(dlayer_in, padded),
+        _post._padded(dx_partial_next, padded),
+        dh_next,
+        _post._padded(x, padded),
+        _post._padded(layer_out, padded),
+        h_post,
+        h_res.reshape(t, n * n),
+        *parameters,
+    )
+    return (
+        dx_partial[:, :, :d],
+        dlayer_out[:, :d],
+        dh_post,
+        dh_res.reshape(t, n, n),
+        *_parameter_grads(config, params, gram, dbias_rows[:, 0], dalpha_rows[:, 0], d),
+    )
+
+
+def _parameter_grads(config: Config, params: Params, gram, dbias_rows, dalpha_rows, d: int):
+    """(dnorm_weight, dphi, dalpha, dbias) from the kernel's accumulators in the transposed
+    weight's rows, as pre_backward's (spec: Backward, Projection and Scales and biases):
+    gram[row of c, k Dp + d] = sum_t dP[t, c] x[t, k, d]."""
+    n, padded = config.n, _layout.padded_features(d)
+    row_of_column = _pre_backward._logit_row_of_column(config)
+    projection_grad = gram[row_of_column].reshape(-1, n, padded)[:, :, :d].reshape(-1, n * d).T
+    norm_weight, phi = jnp.asarray(params.norm_weight, _F32), jnp.asarray(params.phi, _F32)
+    dalpha_columns = dalpha_rows[row_of_column]
+    dalpha = jnp.stack(
+        [jnp.sum(dalpha_columns[:n]), jnp.sum(dalpha_columns[n : 2 * n]), jnp.sum(dalpha_columns[2 * n :])]
+    )
+    return (
+        jnp.sum(phi * projection_grad, axis=1),
+        norm_weight[:, None] * projection_grad,
+        dalpha,
+        dbias_rows[row_of_column],
+    )
