@@ -68,6 +68,8 @@ REFERENCE = "src/core/reference.cc"
 TPU_PRE = "python/mhc/tpu/_pre.py"
 TPU_POST = "python/mhc/tpu/_post.py"
 TPU_TESTS = "tests/python/test_tpu_kernels.py"
+TPU_PRE_BACKWARD = "python/mhc/tpu/_pre_backward.py"
+TPU_HEAD = "python/mhc/tpu/_head.py"
 
 MUTATIONS = (
     Mutation(
@@ -363,6 +365,52 @@ MUTATIONS = (
         python=True,
         # D = 600 pads to five 128-lane chunks; a single-chunk case cannot see this.
         python_tests=(f"{TPU_TESTS}::test_post_forward_and_backward_match_reference[3-600-37-float32]",),
+    ),
+    Mutation(
+        "tpu_sinkhorn_backward_drops_dot",
+        "the TPU pre backward's Sinkhorn column step drops its dot term: dX = dY / (s + eps)",
+        (
+            Edit(
+                TPU_PRE_BACKWARD,
+                "return [(d - dots) / (sums + eps) for d in grads]",
+                "return [d / (sums + eps) for d in grads]",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_pre_backward.py::test_pre_backward_matches_reference[4-130-300-sinkhorn-float32-default]",
+        ),
+    ),
+    Mutation(
+        "tpu_head_gates_without_pre_eps",
+        "the TPU head forward's gates drop pre_eps",
+        (
+            Edit(
+                TPU_HEAD,
+                "gates = _pre.sigmoid(scale_ref[...] * (r * logits) + bias_ref[...]) + config.pre_eps",
+                "gates = _pre.sigmoid(scale_ref[...] * (r * logits) + bias_ref[...])",
+            ),
+        ),
+        python=True,
+        # pre_eps = 0.1 (CUSTOM): the default 1e-6 is within the bound.
+        python_tests=(
+            "tests/python/test_tpu_head.py::test_head_forward_and_backward_match_reference[8-1-37-float32-custom]",
+        ),
+    ),
+    Mutation(
+        "tpu_head_dscale_first_gate_only",
+        "the TPU head backward's dscale keeps only the first gate's share",
+        (
+            Edit(
+                TPU_HEAD,
+                "return dx, dfn, dbias[:n], jnp.sum(dalpha[:n]).reshape(1)",
+                "return dx, dfn, dbias[:n], dalpha[:1]",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_head.py::test_head_forward_and_backward_match_reference[4-130-300-float32-default]",
+        ),
     ),
 )
 
