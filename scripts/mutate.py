@@ -372,8 +372,8 @@ MUTATIONS = (
         (
             Edit(
                 TPU_PRE_BACKWARD,
-                "return [(d - dots) / (sums + eps) for d in grads]",
-                "return [d / (sums + eps) for d in grads]",
+                "return [(d - dots) / divisor for d in grads]",
+                "return [d / divisor for d in grads]",
             ),
         ),
         python=True,

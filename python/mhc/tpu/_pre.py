@@ -64,7 +64,9 @@ def _sinkhorn(config: Config, logits, g: int, steps_ref=None):
 
     def over_columns(rows):
         column_sums = functools.reduce(jnp.add, rows)
-        return [row / (column_sums + eps) for row in rows]
+        # The padding rows (sums 0) divide by 1, not by eps: 0 / 0 at sinkhorn_eps = 0 would be NaN
+        # and reach every row through the row sums.
+        return [row / jnp.where(valid, column_sums + eps, 1.0) for row in rows]
 
     def over_rows(rows):
         return [row / (jnp.sum(row, axis=0, keepdims=True) + eps) for row in rows]

@@ -53,9 +53,9 @@ def _sinkhorn_backward(config: Config, logits, dh_res, g: int, steps_ref):
     def back_over_columns(grads, index):
         # Y_i = X_i / (sum_i X_i + eps): dX_i = (dY_i - sum_i dY_i Y_i) / (sum_i X_i + eps).
         outputs, inputs = step(index), step(index - 1)
-        sums = functools.reduce(jnp.add, inputs)
+        divisor = jnp.where(valid, functools.reduce(jnp.add, inputs) + eps, 1.0)  # as the forward's
         dots = functools.reduce(jnp.add, [d * y for d, y in zip(grads, outputs, strict=True)])
-        return [(d - dots) / (sums + eps) for d in grads]
+        return [(d - dots) / divisor for d in grads]
 
     def back_over_rows(grads, index):
         # Y_i = X_i / (sum_j X_i + eps): dX_i = (dY_i - sum_j dY_i Y_i) / (sum_j X_i + eps), on the
