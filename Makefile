@@ -6,7 +6,7 @@ VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
 .PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
-	example consumer clean tpu-compile
+	example consumer clean tpu-compile tpu-compile-v4
 
 # Debian packages (scripts/setup.sh installs only what is missing).
 setup:
@@ -79,11 +79,16 @@ bench: python
 bench-cpp: build
 	@$(BUILD)/mhc_bench --benchmark_min_time=0.5
 
-# The TPU kernels compiled for v5e and v6e through libtpu's compile-only topologies (no TPU
-# needed, nothing runs): token tile, compile time, VMEM, the HBM-byte floor per kernel (a few
-# minutes on 2 cores). TPU_COMPILE_ARGS passes flags, e.g. "--d 4096 --dtype float32".
+# The TPU kernels (every operation of mhc.tpu.KERNELS) compiled for v5e and v6e through libtpu's
+# compile-only topologies (no TPU needed, nothing runs) at n = 4, D = 2048, bf16, T = 4096: token
+# tile, compile time, VMEM, the HBM-byte floor per kernel (tens of minutes on 2 cores).
+# TPU_COMPILE_ARGS passes flags, e.g. "--dtype float32 --kernels mhc_boundary_forward".
 tpu-compile: python
 	@$(PYTHON) scripts/tpu_compile.py $(TPU_COMPILE_ARGS)
+
+# The same at DeepSeek-V4's widths, D = 4096 and 7168 (an hour or more on 2 cores).
+tpu-compile-v4: python
+	@$(PYTHON) scripts/tpu_compile.py --d 4096 7168 $(TPU_COMPILE_ARGS)
 
 # The main job: train a small byte-level mHC transformer on the CPU with the fused kernels
 # (about 3 minutes on 2 cores); outputs in demo_output/. DEMO_ARGS passes flags, e.g. --compare.

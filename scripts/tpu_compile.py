@@ -4,9 +4,14 @@ plan chose, the compile time, the VMEM the compiler reserved for the kernel (its
 used_scoped_memory_configs), the spec's minimum HBM bytes and the time they take at the chip's
 HBM bandwidth (the floor a TPU run can be held to), and the x-sized copies XLA put around the
 kernel (a relayout of x costs a pass over it). Nothing runs: speed and hardware numerics are not
-measured. Slow (tens of seconds per compile on 2 cores), so not part of the tests: make tpu-compile.
+measured. Slow (tens of seconds to minutes per compile on 2 cores), so not part of the tests: make
+tpu-compile (n = 4, D = 2048) and make tpu-compile-v4 (DeepSeek-V4's D = 4096 and 7168).
 
-    python scripts/tpu_compile.py [--chips v5e v6e] [--n 4] [--d 2048] [--tokens 4096] [--dtype bfloat16]
+    python scripts/tpu_compile.py [--chips v5e v6e] [--n 4] [--d 2048 ...] [--tokens 4096]
+        [--dtype bfloat16] [--kernels mhc_pre_forward ...]
+
+Every operation of mhc.tpu.KERNELS is compiled (OPERATIONS gives its operands and spec bytes); the
+token tile is read back from the Mosaic kernel's grid.
 """
 
 from __future__ import annotations
@@ -26,47 +31,52 @@ from jax.experimental import topologies  # noqa: E402
 
 import mhc.jax as mj  # noqa: E402
 import mhc.tpu  # noqa: E402
-from mhc.tpu import _post, _pre  # noqa: E402
 
 # HBM bandwidth per chip, bytes/s (Google Cloud's published TPU specifications).
 HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1640e9}
 
+# Per operation of mhc.tpu.KERNELS: its operands in the C++ contract's order (x [T, n, D] and
+# the like in the activation dtype, "features" [T, D] in it too, "gates" [T, n] and "mix"
+# [T, n, n] f32, "params" the four Params, "head" the three HeadParams) and the spec's minimum
+# bytes per token in units of D e, as a function of n (spec: Minimum memory traffic, Boundary).
+OPERATIONS = {
+    "mhc_pre_forward": (("x", "params"), lambda n: n + 1),
+    "mhc_post_forward": (("x", "features", "gates", "mix"), lambda n: 2 * n + 1),
+    "mhc_post_backward": (("x", "x", "features", "gates", "mix"), lambda n: 3 * n + 2),
+    "mhc_pre_backward": (("features", "x", "gates", "mix", "x", "params"), lambda n: 3 * n + 1),
+    "mhc_boundary_forward": (("x", "features", "gates", "mix", "params"), lambda n: 2 * n + 2),
+    "mhc_boundary_backward": (
+        ("features", "x", "gates", "mix", "x", "features", "gates", "mix", "params"),
+        lambda n: 3 * n + 3,
+    ),
+    # Spec: Head, steps 1-4 and 6 (the pre forward's traffic); its backward reads x and dh, writes dx.
+    "mhc_head_forward": (("x", "head"), lambda n: n + 1),
+    "mhc_head_backward": (("features", "x", "head"), lambda n: 2 * n + 1),
+}
 
-def _kernels(config: mj.Config, n: int, d: int, t: int, dtype, sharding):
-    """(name, function, arguments (shapes on the chip), the spec's minimum bytes per token in units
-    of D e, tile)."""
+
+def _operands(kinds, config: mj.Config, d: int, t: int, dtype, sharding):
+    n, width = config.n, config.projection_width
 
     def shape(dims, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(dims, dtype, sharding=sharding)
 
-    x, lo = shape((t, n, d), dtype), shape((t, d), dtype)
-    params = mj.Params(
-        shape((n * d,)), shape((n * d, config.projection_width)), shape((3,)), shape((config.projection_width,))
-    )
-    h_post, h_res = shape((t, n)), shape((t, n, n))
-    return [
-        (
-            "pre_forward",
-            lambda x, p: mhc.tpu.pre_forward(config, x, p),
-            (x, params),
-            n + 1,
-            _pre.token_tile(config, d, dtype),
-        ),
-        (
-            "post_forward",
-            lambda *a: mhc.tpu.post_forward(config, *a),
-            (x, lo, h_post, h_res),
-            2 * n + 1,
-            _post.forward_tile(config, d, dtype, dtype),
-        ),
-        (
-            "post_backward",
-            lambda *a: mhc.tpu.post_backward(config, *a),
-            (x, x, lo, h_post, h_res),
-            3 * n + 2,
-            _post.backward_tile(config, d, dtype, dtype),
-        ),
-    ]
+    shapes = {
+        "x": [shape((t, n, d), dtype)],
+        "features": [shape((t, d), dtype)],
+        "gates": [shape((t, n))],
+        "mix": [shape((t, n, n))],
+        "params": [shape((n * d,)), shape((n * d, width)), shape((3,)), shape((width,))],
+        "head": [shape((n, n * d)), shape((n,)), shape((1,))],
+    }
+    return [s for kind in kinds for s in shapes[kind]]
+
+
+def _grid_steps(lowered_text: str) -> int | None:
+    """The token grid's length, read from the Mosaic kernel's iteration bounds in the lowered
+    module (the tile is T over it), or None if it is not found."""
+    match = re.search(r"iteration_bounds = array<i64: (\d+)", lowered_text)
+    return int(match.group(1)) if match else None
 
 
 def _report(compiled_text: str, x_bytes: int):
@@ -88,35 +98,68 @@ def _report(compiled_text: str, x_bytes: int):
     return max(vmem, default=0), copies
 
 
+def _mosaic_text(lowered_text: str) -> str:
+    """The Mosaic kernels of a lowered module as text (their serialized bodies decoded)."""
+    import base64
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+
+    kernels = []
+    for body in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", lowered_text):
+        context = mlir.make_ir_context()
+        tpu.register_dialect(context)
+        with context, ir.Location.unknown():
+            context.allow_unregistered_dialects = True
+            module = ir.Module.parse(base64.b64decode(body))
+            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+            kernels.append(str(module))
+    return "\n".join(kernels)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chips", nargs="+", default=["v5e", "v6e"], choices=sorted(HBM_BANDWIDTH))
     parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--d", type=int, default=2048)
+    parser.add_argument("--d", type=int, nargs="+", default=[2048])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--kernels", nargs="+", default=None, help="names in mhc.tpu.KERNELS (default: all of them)")
     args = parser.parse_args()
     dtype, config = jnp.dtype(args.dtype), mj.Config(n=args.n)
+    names = args.kernels or list(mhc.tpu.KERNELS)
+    unknown = sorted(set(names) - set(mhc.tpu.KERNELS) | set(names) - set(OPERATIONS))
+    if unknown:
+        parser.error(f"--kernels: {unknown} not in mhc.tpu.KERNELS with a known contract ({sorted(OPERATIONS)})")
     size = dtype.itemsize
-    print(f"n={args.n} D={args.d} T={args.tokens} {args.dtype} jax {jax.__version__}")
-    print("| chip | kernel | token tile | compile s | VMEM reserved MiB | spec bytes MiB | floor us | x-sized copies |")
-    print("|---|---|---|---|---|---|---|---|")
-    for chip in args.chips:
-        device = topologies.get_topology_desc(f"{chip}:2x2", "tpu").devices[0]
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        for name, function, structs, units, tile in _kernels(config, args.n, args.d, args.tokens, dtype, sharding):
-            start = time.perf_counter()
-            with jax.default_device(device):
-                compiled = jax.jit(function).trace(*structs).lower().compile()
-            seconds = time.perf_counter() - start
-            spec_bytes = args.tokens * units * args.d * size
-            vmem, copies = _report(compiled.as_text(), args.tokens * args.n * args.d * size)
-            floor_us = spec_bytes / HBM_BANDWIDTH[chip] * 1e6
-            print(
-                f"| {chip} | {name} | {tile} | {seconds:.1f} | {vmem / 2**20:.1f} | "
-                f"{spec_bytes / 2**20:.1f} | {floor_us:.1f} | {copies} |",
-                flush=True,
-            )
+    print(f"n={args.n} T={args.tokens} {args.dtype} jax {jax.__version__}")
+    print("| chip | kernel | D | token tile | compile s | VMEM reserved MiB | spec bytes MiB | floor us | x copies |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d in args.d:
+        for chip in args.chips:
+            device = topologies.get_topology_desc(f"{chip}:2x2", "tpu").devices[0]
+            sharding = jax.sharding.SingleDeviceSharding(device)
+            for name in names:
+                kinds, units = OPERATIONS[name]
+                structs = _operands(kinds, config, d, args.tokens, dtype, sharding)
+                function = jax.jit(lambda *a, kernel=mhc.tpu.KERNELS[name]: kernel(config, *a))
+                start = time.perf_counter()
+                with jax.default_device(device):
+                    lowered = function.trace(*structs).lower()
+                    compiled = lowered.compile()
+                seconds = time.perf_counter() - start
+                steps = _grid_steps(_mosaic_text(lowered.as_text()))
+                tile = -(-args.tokens // steps) if steps else "?"
+                spec_bytes = args.tokens * units(args.n) * d * size
+                vmem, copies = _report(compiled.as_text(), args.tokens * args.n * d * size)
+                floor_us = spec_bytes / HBM_BANDWIDTH[chip] * 1e6
+                print(
+                    f"| {chip} | {name.removeprefix('mhc_')} | {d} | {tile} | {seconds:.1f} | {vmem / 2**20:.1f} | "
+                    f"{spec_bytes / 2**20:.1f} | {floor_us:.1f} | {copies} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
