@@ -160,6 +160,11 @@ def test_tile_follows_the_vmem_plan():
     assert tile(4, 2048, jnp.bfloat16) in mhc.tpu.TOKEN_TILES
     with pytest.raises(ValueError, match=r"mhc.tpu.pre_backward: .*MiB of VMEM, over the .*MiB budget"):
         tile(8, 65536, jnp.float32)
+    many_steps = mj.Config(n=4, sinkhorn_iters=10000)
+    with pytest.raises(ValueError, match=r"pre_backward: config.sinkhorn_iters = 10000 is too many .* VMEM plan"):
+        mhc.tpu._pre_backward.backward_tile(
+            many_steps, 130, jnp.float32, rows=rows, gates_only=False, operation="pre_backward"
+        )
 
 
 def test_bad_arguments_are_named():

@@ -218,10 +218,18 @@ def backward_tile(
     per_token = 2 * streams * padded * size + 2 * padded * size + chunk_streams + 4 * padded * 4 + 3 * chunk * 4
     steps = 2 * config.sinkhorn_iters * n * g if not gates_only and config.mix == "sinkhorn" else 0
     pack = _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES)
-    per_token += 4 * (steps + pack + 8 * rows + 2 * (1 + n) * g)
+    per_token += 4 * (pack + 8 * rows + 2 * (1 + n) * g)
     fixed = 3 * rows * n * padded * 4
     budget = _layout.vmem_budget(capacity or _layout.chip_vmem())
-    return _layout.choose_token_tile(operation, per_token, fixed, budget)
+    smallest = _layout.TOKEN_TILES[-1]
+    if steps and smallest * (per_token + 4 * steps) + fixed > budget >= smallest * per_token + fixed:
+        raise ValueError(
+            f"mhc.tpu.{operation}: config.sinkhorn_iters = {config.sinkhorn_iters} is too many for the "
+            f"VMEM plan: the backward keeps every Sinkhorn step of a token tile in VMEM "
+            f"({smallest * 4 * steps / 2**20:.1f} MiB at the smallest tile of {smallest} tokens; the "
+            f"budget is {budget / 2**20:.0f} MiB)"
+        )
+    return _layout.choose_token_tile(operation, per_token + 4 * steps, fixed, budget)
 
 
 def _check(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Params, tile):
