@@ -1,9 +1,10 @@
-"""Flax NNX layers: one mHC-wrapped sublayer, with the kernel switch of the original request, and
+"""Flax NNX layers: one mHC-wrapped sublayer, with the kernel switch of the original request, a
+stack of them (``stack``: the chain, optionally recomputing the streams in groups), and
 DeepSeek-V4's head."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,6 +109,71 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
         self._mixed(ctx.h_res)
         return mhc_jax.post(branch_fn(norm_fn(layer_in)), ctx)
+
+
+def stack(
+    state,
+    sublayers: Sequence[tuple[ManifoldConstrainedHyperConnections, Callable, Callable]],
+    *,
+    recompute: int | None = None,
+    fuse_boundaries: bool = True,
+):
+    """The sublayers (layer, norm_fn, branch_fn) in order on the streams ``state`` [..., n, D]
+    (or a ``Pending``): each ``layer.chain(norm_fn, branch_fn, state)``, whose result ends with
+    ``mhc.jax.finish``; with ``fuse_boundaries=False`` each ``layer(norm_fn, branch_fn, x)`` whole
+    (the result is then the streams).
+
+    recompute: as for ``mhc.jax.stack``: None keeps every sublayer's streams for the backward; k
+    keeps them only at the start of every group of k sublayers, each group under ``nnx.remat``
+    with ``mhc.jax.recompute_policy``, so its backward rebuilds the streams (and each layer_in)
+    with the mhc kernels, never re-running norm_fn or branch_fn; the gradients are the same bits.
+    The layers must run the kernels (``use_kernel=True``). Pass modules as norm_fn and branch_fn
+    (not functions closing over modules) where they update state (``sow``): nnx.remat carries
+    the modules it is given. On the CPU mind the scheduler (``mhc.jax.recompute_streams``).
+    """
+    sublayers = [tuple(entry) for entry in sublayers]
+    for index, (layer, _, _) in enumerate(sublayers):
+        if not isinstance(layer, ManifoldConstrainedHyperConnections):
+            raise TypeError(
+                f"sublayers[{index}]: expected (ManifoldConstrainedHyperConnections, norm_fn, branch_fn), "
+                f"got a {type(layer).__name__} first"
+            )
+        if recompute is not None and not layer.use_kernel:
+            raise ValueError(
+                f"recompute: sublayers[{index}] runs the plain path (use_kernel=False), which has no kernels to "
+                "rebuild the streams with; use the kernels, or recompute=None"
+            )
+    mhc_jax._check_recompute(recompute, use_kernel=True)
+    size = recompute or max(1, len(sublayers))
+    for start in range(0, len(sublayers), size):
+        group = sublayers[start : start + size]
+        # nnx.remat passes its arguments through jax.checkpoint: the modules go as arguments (their
+        # state is carried in and out), any other callable stays in the closure.
+        modules = [[part if isinstance(part, nnx.Module) else None for part in entry] for entry in group]
+        callables = [[None if isinstance(part, nnx.Module) else part for part in entry] for entry in group]
+
+        run = _group(callables, fuse_boundaries)
+        if recompute:
+            mhc_jax._warn_about_the_cpu_scheduler()
+            run = nnx.remat(run, policy=mhc_jax.recompute_policy)
+        state = run(modules, state)
+    return state
+
+
+def _group(callables: list, fuse_boundaries: bool) -> Callable:
+    """A group's run(modules, state), its plain callables in the closure (nnx.remat would pass a
+    default or partial argument through jax.checkpoint, which takes arrays only)."""
+
+    def run(modules, state):
+        for given, kept in zip(modules, callables, strict=True):
+            layer, norm_fn, branch_fn = (m if m is not None else c for m, c in zip(given, kept, strict=True))
+            if fuse_boundaries:
+                state = layer.chain(norm_fn, branch_fn, state)
+            else:
+                state = layer(norm_fn, branch_fn, mhc_jax.finish(state))
+        return state
+
+    return run
 
 
 class Head(nnx.Module):

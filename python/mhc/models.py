@@ -27,10 +27,11 @@ import numpy as np
 from flax import nnx
 
 from mhc import jax as mhc_jax
-from mhc.flax import Head, ManifoldConstrainedHyperConnections
+from mhc.flax import Head, ManifoldConstrainedHyperConnections, stack
 
 RESIDUALS = ("plain", "hc", "mhc", "mhc-lite")
 COLLAPSES = ("head", "sum")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +46,10 @@ class ModelConfig:
     collapse: str = "head"  # how n streams become one: V4's learned head, or their sum
     use_kernel: bool = True  # fused C++ kernels (mHC sublayers and the head), or the plain-JAX path
     fuse_boundaries: bool = True  # each mHC post fused with the next sublayer's pre, or run whole
+    # mHC's streams kept for the backward only at the start of every group of this many sublayers
+    # (the backward rebuilds the others with the kernels); None keeps them all. mhc.flax.stack.
+    recompute: int | None = None
+    dtype: str = "float32"  # the activations' (embedding output, sublayers, streams); parameters stay f32
 
     def __post_init__(self):
         if self.residual not in RESIDUALS:
@@ -53,6 +58,16 @@ class ModelConfig:
             raise ValueError(f"collapse: expected one of {COLLAPSES}, got {self.collapse!r}")
         if self.width % self.heads:
             raise ValueError(f"width: expected a multiple of heads={self.heads}, got {self.width}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {DTYPES}, got {self.dtype!r}")
+        if self.recompute is not None:
+            if isinstance(self.recompute, bool) or not isinstance(self.recompute, int) or self.recompute < 1:
+                raise ValueError(f"recompute: expected None or a group size >= 1 (sublayers), got {self.recompute!r}")
+            if self.residual not in ("mhc", "mhc-lite") or not self.use_kernel:
+                raise ValueError(
+                    "recompute: rebuilds mHC's streams with its kernels: expected residual 'mhc' or 'mhc-lite' "
+                    f"with use_kernel=True, got residual={self.residual!r}, use_kernel={self.use_kernel}"
+                )
 
     def mhc_config(self) -> mhc_jax.Config:
         return mhc_jax.Config(n=self.n, mix="permutations" if self.residual == "mhc-lite" else "sinkhorn")
@@ -120,10 +135,10 @@ class HyperConnections(nnx.Module):
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, width: int, heads: int, *, rngs: nnx.Rngs):
+    def __init__(self, width: int, heads: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
         self.heads = heads
-        self.qkv = nnx.Linear(width, 3 * width, use_bias=False, rngs=rngs)
-        self.out = nnx.Linear(width, width, use_bias=False, rngs=rngs)
+        self.qkv = nnx.Linear(width, 3 * width, use_bias=False, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(width, width, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, h):
         batch, seq, width = h.shape
@@ -133,9 +148,9 @@ class CausalSelfAttention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, width: int, ratio: int, *, rngs: nnx.Rngs):
-        self.up = nnx.Linear(width, ratio * width, rngs=rngs)
-        self.down = nnx.Linear(ratio * width, width, rngs=rngs)
+    def __init__(self, width: int, ratio: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.up = nnx.Linear(width, ratio * width, dtype=dtype, rngs=rngs)
+        self.down = nnx.Linear(ratio * width, width, dtype=dtype, rngs=rngs)
 
     def __call__(self, h):
         return self.down(jax.nn.gelu(self.up(h)))
@@ -149,11 +164,11 @@ class Block(nnx.Module):
     """
 
     def __init__(self, config: ModelConfig, index: int, *, rngs: nnx.Rngs, mix_rngs: nnx.Rngs):
-        width = config.width
-        self.attn_norm = nnx.RMSNorm(width, rngs=rngs)
-        self.attn = CausalSelfAttention(width, config.heads, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(width, rngs=rngs)
-        self.mlp = MLP(width, config.mlp_ratio, rngs=rngs)
+        width, dtype = config.width, jnp.dtype(config.dtype)
+        self.attn_norm = nnx.RMSNorm(width, dtype=dtype, rngs=rngs)
+        self.attn = CausalSelfAttention(width, config.heads, dtype=dtype, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(width, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(width, config.mlp_ratio, dtype=dtype, rngs=rngs)
         self.residual = config.residual
         self.fuse_boundaries = config.fuse_boundaries
         if config.residual == "hc":
@@ -171,11 +186,14 @@ class Block(nnx.Module):
         if self.residual == "plain":
             x = x + self.attn(self.attn_norm(x))
             return x + self.mlp(self.mlp_norm(x))
-        if self.residual == "hc" or not self.fuse_boundaries:
+        if self.residual == "hc":
             x = self.attn_hc(self.attn_norm, self.attn, x)
             return self.mlp_hc(self.mlp_norm, self.mlp, x)
-        state = self.attn_hc.chain(self.attn_norm, self.attn, x)
-        return self.mlp_hc.chain(self.mlp_norm, self.mlp, state)
+        return stack(x, self.mhc_sublayers(), fuse_boundaries=self.fuse_boundaries)
+
+    def mhc_sublayers(self) -> list[tuple]:
+        """(connections, norm, branch) of the attention and MLP sublayers, for ``mhc.flax.stack``."""
+        return [(self.attn_hc, self.attn_norm, self.attn), (self.mlp_hc, self.mlp_norm, self.mlp)]
 
     def hyper_connection_names(self) -> tuple[str, ...]:
         """The attributes holding this block's connections, in depth order."""
@@ -187,14 +205,15 @@ class Transformer(nnx.Module):
         self.config = config
         # Drawn first whatever the residual, so that the other weights come from the same stream.
         mix_rngs = nnx.Rngs(rngs.params())
-        self.embed = nnx.Embed(config.vocab, config.width, rngs=rngs)
+        dtype = jnp.dtype(config.dtype)
+        self.embed = nnx.Embed(config.vocab, config.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List([Block(config, i, rngs=rngs, mix_rngs=mix_rngs) for i in range(config.layers)])
         if config.residual != "plain" and config.collapse == "head":
             self.collapse = Head(config.mhc_config(), config.width, use_kernel=config.use_kernel, rngs=mix_rngs)
         else:
             self.collapse = None
-        self.final_norm = nnx.RMSNorm(config.width, rngs=rngs)
-        self.head = nnx.Linear(config.width, config.vocab, use_bias=False, rngs=rngs)
+        self.final_norm = nnx.RMSNorm(config.width, dtype=dtype, rngs=rngs)
+        self.head = nnx.Linear(config.width, config.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens):
         """tokens [batch, seq] int -> logits [batch, seq, vocab]."""
@@ -204,8 +223,14 @@ class Transformer(nnx.Module):
                 h = block(h)
         else:
             state = mhc_jax.expand(h, self.config.n)
-            for block in self.blocks:
-                state = block(state)
+            if self.config.residual == "hc":
+                for block in self.blocks:
+                    state = block(state)
+            else:  # the whole depth as one chain, so that a recompute group may span blocks
+                sublayers = [sublayer for block in self.blocks for sublayer in block.mhc_sublayers()]
+                state = stack(
+                    state, sublayers, recompute=self.config.recompute, fuse_boundaries=self.config.fuse_boundaries
+                )
             streams = mhc_jax.finish(state)
             h = mhc_jax.reduce(streams) if self.collapse is None else self.collapse(streams)
         return self.head(self.final_norm(h))

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mhc.flax import Head, ManifoldConstrainedHyperConnections
-from mhc.models import RESIDUALS, HyperConnections, ModelConfig, Transformer
+import mhc.jax as mj
+from mhc.flax import Head, ManifoldConstrainedHyperConnections, stack
+from mhc.models import RESIDUALS, HyperConnections, ModelConfig, Transformer, loss_fn
 
 TINY = dict(width=16, layers=2, heads=2, n=4)
 
@@ -96,4 +97,45 @@ def test_bad_configs_are_rejected():
         ModelConfig(collapse="mean")
     with pytest.raises(ValueError, match="width"):
         ModelConfig(width=30, heads=4)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="recompute: expected None or a group size"):
+            ModelConfig(recompute=bad)
+    for residual, use_kernel in (("plain", True), ("hc", True), ("mhc", False)):
+        with pytest.raises(ValueError, match="recompute: rebuilds mHC's streams with its kernels"):
+            ModelConfig(residual=residual, use_kernel=use_kernel, recompute=2)
     assert jax.tree.leaves(nnx.state(HyperConnections(2, 4, 0), nnx.Param))
+
+
+@pytest.mark.parametrize("residual,fuse_boundaries", [("mhc", True), ("mhc-lite", False)])
+def test_recompute_gives_the_gradients_and_mixes_of_keeping_every_stream(seed, residual, fuse_boundaries, monkeypatch):
+    monkeypatch.setattr(mj, "_cpu_scheduler_warned", True)  # the scheduler is not what this checks
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, 256, (2, 8)), jnp.int32)
+    targets = jnp.asarray(rng.integers(0, 256, (2, 8)), jnp.int32)
+
+    def run(recompute):
+        # 2 blocks: 4 sublayers, so groups of 3 span a block boundary and leave a group of 1
+        config = ModelConfig(**TINY, residual=residual, fuse_boundaries=fuse_boundaries, recompute=recompute)
+        model = Transformer(config, rngs=nnx.Rngs(seed))
+        _randomize(model, np.random.default_rng(seed), scale=0.1)
+        grads = nnx.jit(nnx.grad(loss_fn))(model, tokens, targets)
+        return jax.tree.leaves(nnx.state(grads)), model.residual_mixes(tokens)
+
+    want_grads, want_mixes = run(None)
+    got_grads, got_mixes = run(3)
+    assert len(got_grads) == len(want_grads)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        assert np.all(np.isfinite(got)) and np.array_equal(got, want), f"seed {seed}"
+    np.testing.assert_array_equal(got_mixes, want_mixes)  # sown through nnx.remat
+
+
+def test_the_flax_stack_refuses_what_it_cannot_run(seed):
+    config = mj.Config(n=4)
+    plain = ManifoldConstrainedHyperConnections(config, 8, use_kernel=False, rngs=nnx.Rngs(seed))
+    x = jnp.ones((3, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match=r"recompute: sublayers\[0\] runs the plain path"):
+        stack(x, [(plain, lambda h: h, jnp.tanh)], recompute=1)
+    with pytest.raises(TypeError, match=r"sublayers\[1\]: expected \(ManifoldConstrainedHyperConnections"):
+        stack(x, [(plain, lambda h: h, jnp.tanh), (jnp.tanh, jnp.tanh, jnp.tanh)])
+    with pytest.raises(ValueError, match="recompute: expected None or a group size"):
+        stack(x, [], recompute=0)

@@ -7,6 +7,12 @@ A stack of sublayers, with each post fused into the next sublayer's pre (spec: B
         state = mhc.jax.sublayer(state, params, config, branch)   # a Pending post
     x = mhc.jax.finish(state)                              # [..., n, D]
 
+A whole stack in one call, optionally recomputing the streams inside groups of sublayers in
+the backward instead of keeping them (``recompute=k``; ``suggested_recompute`` picks k):
+
+    state = mhc.jax.stack(x, [(params, config, branch), ...], recompute=k)
+    x = mhc.jax.finish(state)
+
 One sublayer on its own:
 
     layer_in, ctx = mhc.jax.pre(x, params, config)
@@ -20,8 +26,15 @@ the kernels, ``use_kernel=True`` raises when the program is lowered (README, Sup
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+import warnings
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
 from mhc.jax._kernels import RESIDUAL_NAMES  # the checkpoint_names of the custom VJPs' residuals
@@ -53,6 +66,10 @@ __all__ = [
     "Pending",
     "sublayer",
     "finish",
+    "stack",
+    "recompute_streams",
+    "recompute_policy",
+    "suggested_recompute",
     "expand",
     "reduce",
     "reference",
@@ -231,6 +248,139 @@ def finish(state) -> jax.Array:
     """The streams [..., n, D] of a chain: the pending post applied (an array passes through)."""
     if isinstance(state, Pending):
         return post(state.layer_out, state.ctx)
+    return state
+
+
+def _runs_a_kernel(primitive, params) -> bool:
+    """Whether an equation is, or contains (custom_vmap_call, custom_partitioning, cond around
+    the FFI calls), an mhc kernel: the platform check on x or a custom call to an mhc target."""
+    if primitive is _kernels._check_platform_p:
+        return True
+    if params.get("target_name") in _kernels.PARTITIONED_TARGETS:
+        return True
+    return any(
+        _runs_a_kernel(eqn.primitive, eqn.params) for jaxpr in jcore.jaxprs_in_params(params) for eqn in jaxpr.eqns
+    )
+
+
+def recompute_policy(primitive, *_avals, **params) -> bool:
+    """The ``jax.checkpoint`` policy of ``recompute_streams``: save everything but the mhc kernels'
+    outputs and the streams x (the residual named ``"mhc_x"``).
+
+    So the backward of a checkpointed group of sublayers re-runs only the mhc kernel forwards
+    (pre, the fused boundary, post): they rebuild the streams x, each sublayer's layer_in and its
+    coefficients from the group's first x and the stored layer_outs. Whatever else the group
+    computes (the branches: attention, MLP, their norms) is saved, never re-run. The small
+    named residuals (coefficients, pre's partial sums) and every layer_out stay saved.
+    Combine with other policies by ``jax.checkpoint_policies.save_from_both_policies``."""
+    if primitive.name == "name":  # jax.ad_checkpoint.checkpoint_name
+        return params.get("name") != _kernels.RESIDUAL_X
+    return not _runs_a_kernel(primitive, params)
+
+
+def recompute_streams(fn: Callable) -> Callable:
+    """``fn`` (a group of mHC sublayers: state -> state, e.g. a few ``sublayer`` calls, or the
+    body of a ``jax.lax.scan`` over layers) under ``jax.checkpoint`` with ``recompute_policy``:
+    the streams inside it are not kept for the backward but rebuilt by the mhc kernels from the
+    group's input. Only the kernel path (``use_kernel=True``) has anything to recompute.
+
+    On the CPU, XLA's default scheduler (concurrency-optimized) runs every group's recomputation
+    right after the forward, which keeps all the streams at once again: more memory than without
+    recompute. Start the process with ``XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false``
+    (XLA's memory-minimizing scheduler; jit's ``compiler_options`` do not reach it), or scan over
+    the groups (the loop fixes the order). Without that flag a CPU trace warns once per process."""
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable (a group of sublayers), got {type(fn).__name__}")
+    checkpointed = jax.checkpoint(fn, policy=recompute_policy)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        _warn_about_the_cpu_scheduler()
+        return checkpointed(*args, **kwargs)
+
+    return run
+
+
+CPU_MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+_cpu_scheduler_warned = False
+
+
+def _warn_about_the_cpu_scheduler() -> None:
+    global _cpu_scheduler_warned
+    if _cpu_scheduler_warned or jax.default_backend() != "cpu":
+        return
+    if CPU_MEMORY_SCHEDULER_FLAG in os.environ.get("XLA_FLAGS", "").lower():
+        return
+    _cpu_scheduler_warned = True
+    warnings.warn(
+        "mhc.jax recompute on the CPU: XLA's default CPU scheduler runs the streams' recomputation right "
+        "after the forward, so it saves no memory (it keeps every group's streams at once). Start the process "
+        f"with XLA_FLAGS={CPU_MEMORY_SCHEDULER_FLAG} (before JAX initializes) for the memory-minimizing "
+        "scheduler. Warned once per process.",
+        stacklevel=3,
+    )
+
+
+def suggested_recompute(n: int, sublayers: int) -> int:
+    """The group size k (sublayers per recomputed group) that the mHC paper's memory model
+    minimizes (Xie et al., "mHC: Manifold-Constrained Hyper-Connections", arXiv 2512.24880):
+    stored streams n D per group start plus the recomputed group's (n + 2) D per sublayer,
+    n L / k + (n + 2) k, least at k = sqrt(n L / (n + 2)); rounded, within [1, L]."""
+    for name, value in (("n", n), ("sublayers", sublayers)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
+    return max(1, min(sublayers, round(math.sqrt(n * sublayers / (n + 2)))))
+
+
+def _check_recompute(recompute, use_kernel: bool) -> None:
+    if recompute is None:
+        return
+    if isinstance(recompute, bool) or not isinstance(recompute, int) or recompute < 1:
+        raise ValueError(f"recompute: expected None or a group size k >= 1 (sublayers), got {recompute!r}")
+    if not use_kernel:
+        raise ValueError(
+            "recompute: the plain path (use_kernel=False) has no kernels to rebuild the streams with; "
+            "use the kernels, or recompute=None"
+        )
+
+
+def stack(
+    state,
+    sublayers: Sequence[tuple[Params, Config, Callable]],
+    *,
+    recompute: int | None = None,
+    use_kernel: bool = True,
+    fallback: str = "warn",
+    tensor_axis: str | None = None,
+):
+    """``sublayer`` over each (params, config, branch) of ``sublayers`` in order; returns the
+    last ``Pending`` (``finish`` gives the streams), or ``state`` itself if there is none.
+
+    recompute: None keeps every sublayer's streams for the backward. k keeps them only at the
+    start of every group of k consecutive sublayers (the last group may be shorter): each group
+    runs under ``recompute_streams``, and its backward rebuilds its streams with the mhc kernels
+    from its first x and the stored layer_outs, never re-running the branches. The gradients
+    are the same bits as without. ``suggested_recompute(n, len(sublayers))`` gives the paper's k.
+    k = 1 keeps every x but still rebuilds each sublayer's layer_in (one kernel forward each).
+    The other arguments are ``sublayer``'s.
+    """
+    _check_fallback(fallback)
+    _check_recompute(recompute, use_kernel)
+    sublayers = list(sublayers)
+    options = dict(use_kernel=use_kernel, fallback=fallback, tensor_axis=tensor_axis)
+    size = recompute or max(1, len(sublayers))
+    for start in range(0, len(sublayers), size):
+        group = sublayers[start : start + size]
+        run = functools.partial(
+            _run_group, configs=[c for _, c, _ in group], branches=[b for _, _, b in group], options=options
+        )
+        state = (recompute_streams(run) if recompute else run)(state, [p for p, _, _ in group])
+    return state
+
+
+def _run_group(state, params: list, *, configs: list, branches: list, options: dict):
+    for p, config, branch in zip(params, configs, branches, strict=True):
+        state = sublayer(state, p, config, branch, **options)
     return state
 
 
