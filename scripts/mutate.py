@@ -70,6 +70,7 @@ TPU_POST = "python/mhc/tpu/_post.py"
 TPU_TESTS = "tests/python/test_tpu_kernels.py"
 TPU_PRE_BACKWARD = "python/mhc/tpu/_pre_backward.py"
 TPU_HEAD = "python/mhc/tpu/_head.py"
+TPU_BOUNDARY = "python/mhc/tpu/_boundary.py"
 
 MUTATIONS = (
     Mutation(
@@ -410,6 +411,17 @@ MUTATIONS = (
         python=True,
         python_tests=(
             "tests/python/test_tpu_head.py::test_head_forward_and_backward_match_reference[4-130-300-float32-default]",
+        ),
+    ),
+    Mutation(
+        "tpu_boundary_chunk_offset",
+        "the TPU boundary backward's post half pairs every feature chunk of g with x's first chunk",
+        (Edit(TPU_BOUNDARY, "x_ref.at[:, :, lanes],", "x_ref.at[:, :, pl.ds(0, chunk)],"),),
+        python=True,
+        # D = 600 pads to five 128-lane chunks; a single-chunk case cannot see this.
+        python_tests=(
+            "tests/python/test_tpu_boundary.py::test_boundary_backward_matches_reference"
+            "[3-600-20-permutations-bfloat16-bfloat16-custom-128]",
         ),
     ),
 )
