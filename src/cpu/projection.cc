@@ -14,6 +14,7 @@ namespace mhc::cpu {
 namespace {
 
 using simd::kLanes;
+using simd::Lanes16;
 using simd::Lanes8;
 using simd::load;
 using simd::store;
@@ -28,37 +29,45 @@ inline bool fold_in_registers(int64_t tokens, int64_t N) { return tokens < 8 && 
 constexpr int64_t kPackColumns = kWeightGradBlock;
 constexpr int64_t kLanes16 = 16;
 
-// TB tokens x CB*8 columns of one block's sums over its rows [0, rows) of the folded block W
-// (row stride NP): acc[t][j] = sum_m x[t, m] * W[m, cols], stored as f32.
-template <int TB, int CB>
+// Every register-blocked kernel below is one template over the vector type V: simd::Lanes8 in the
+// target_clones functions (8 lanes: AVX2 in the v3 clone, SSE pairs in the baseline one) and
+// simd::Lanes16 in the target("avx512f") entry points. Vectors of either width run the same
+// element-wise FMAs in the same order, so the two widths give the same bits.
+template <class V>
+inline constexpr int64_t kWidth = static_cast<int64_t>(sizeof(V) / sizeof(float));
+
+// TB tokens x CB vectors of columns from col of one block's sums over its rows [0, rows) of the
+// folded block W (row stride NP): acc[t][j] = sum_m x[t, m] * W[m, cols], stored as f32.
+template <class V, int TB, int CB>
 MHC_INLINE void project_block(const float* x, int64_t M, const float* W, int64_t NP, int64_t rows,
                               int64_t col, float* sums) {
-  Lanes8 acc[TB][CB] = {};
+  constexpr int64_t L = kWidth<V>;
+  V acc[TB][CB] = {};
   for (int64_t m = 0; m < rows; ++m) {
-    Lanes8 w[CB];
-    for (int64_t j = 0; j < CB; ++j) load(&w[j], W + m * NP + col + j * kLanes);
+    V w[CB];
+    for (int64_t j = 0; j < CB; ++j) load(&w[j], W + m * NP + col + j * L);
     for (int64_t t = 0; t < TB; ++t) {
       const float xv = x[t * M + m];
       for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
     }
   }
   for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t j = 0; j < CB; ++j) store(sums + t * NP + col + j * kLanes, &acc[t][j]);
+    for (int64_t j = 0; j < CB; ++j) store(sums + t * NP + col + j * L, &acc[t][j]);
   }
 }
 
-// The same sums for few tokens, W folded in registers from phi (row stride N) instead of from a
-// folded block: the product norm_weight[m] * phi[m, c] is the same f32 value either way. Column
-// vector j starts at starts[j]; a last vector that would pass N starts at N - 8 instead, and
-// recomputes its overlap with the one before to the same values.
-template <int TB, int CB>
+// The same sums with W folded in registers from phi (row stride N) instead of from a folded
+// block: the product norm_weight[m] * phi[m, c] is the same f32 value either way. Column vector j
+// starts at starts[j]; a last vector that would pass N starts at N - L instead, and recomputes its
+// overlap with the one before to the same values.
+template <class V, int TB, int CB>
 MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* norm_weight,
                                      const float* phi, int64_t N, int64_t NP, int64_t rows,
                                      const int64_t* starts, float* sums) {
-  Lanes8 acc[TB][CB] = {};
+  V acc[TB][CB] = {};
   for (int64_t m = 0; m < rows; ++m) {
     const float scale = norm_weight[m];
-    Lanes8 w[CB];
+    V w[CB];
     for (int64_t j = 0; j < CB; ++j) {
       load(&w[j], phi + m * N + starts[j]);
       w[j] *= scale;
@@ -73,20 +82,56 @@ MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* nor
   }
 }
 
-template <int TB>
+// Vectors of columns per register block of the projection: 3 x 8 lanes (N = 24 for n = 4) or
+// 2 x 16.
+template <class V>
+inline constexpr int kProjectionVectors = kWidth<V> == 8 ? 3 : 2;
+
+template <class V, int TB>
 MHC_INLINE void project_tokens_direct(const float* x, int64_t M, const float* norm_weight,
                                       const float* phi, int64_t N, int64_t NP, int64_t rows,
                                       float* sums) {
-  int64_t starts[3];
-  for (int64_t col = 0; col < N; col += 3 * kLanes) {
+  constexpr int64_t L = kWidth<V>;
+  constexpr int kVectors = kProjectionVectors<V>;
+  int64_t starts[kVectors];
+  for (int64_t col = 0; col < N; col += kVectors * L) {
     int64_t count = 0;
-    for (; count < 3 && col + count * kLanes < N; ++count) {
-      starts[count] = std::min(col + count * kLanes, N - kLanes);
+    for (; count < kVectors && col + count * L < N; ++count) {
+      starts[count] = std::min(col + count * L, N - L);
     }
-    if (count == 3) project_block_direct<TB, 3>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
-    if (count == 2) project_block_direct<TB, 2>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
-    if (count == 1) project_block_direct<TB, 1>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+    if constexpr (kVectors == 3) {
+      if (count == 3) {
+        project_block_direct<V, TB, 3>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+      }
+    }
+    if (count == 2)
+      project_block_direct<V, TB, 2>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+    if (count == 1)
+      project_block_direct<V, TB, 1>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
   }
+}
+
+// Every token of one block of rows, W folded in registers: kMaxTokens tokens at a time, then 4,
+// then the rest.
+template <class V, int kMaxTokens>
+MHC_INLINE void project_rows_direct(const float* x, int64_t tokens, int64_t M,
+                                    const float* norm_weight, const float* phi, int64_t N,
+                                    int64_t NP, int64_t rows, float* out) {
+  int64_t t = 0;
+  if constexpr (kMaxTokens == 8) {
+    for (; t + 8 <= tokens; t += 8) {
+      project_tokens_direct<V, 8>(x + t * M, M, norm_weight, phi, N, NP, rows, out + t * NP);
+    }
+  }
+  for (; t + 4 <= tokens; t += 4) {
+    project_tokens_direct<V, 4>(x + t * M, M, norm_weight, phi, N, NP, rows, out + t * NP);
+  }
+  const int64_t rest = tokens - t;
+  const float* xt = x + t * M;
+  float* sums = out + t * NP;
+  if (rest == 3) project_tokens_direct<V, 3>(xt, M, norm_weight, phi, N, NP, rows, sums);
+  if (rest == 2) project_tokens_direct<V, 2>(xt, M, norm_weight, phi, N, NP, rows, sums);
+  if (rest == 1) project_tokens_direct<V, 1>(xt, M, norm_weight, phi, N, NP, rows, sums);
 }
 
 template <int TB>
@@ -94,30 +139,31 @@ MHC_INLINE void project_tokens(const float* x, int64_t M, const float* W, int64_
                                float* sums) {
   int64_t col = 0;
   for (; col + 3 * kLanes <= NP; col += 3 * kLanes)
-    project_block<TB, 3>(x, M, W, NP, rows, col, sums);
-  if (NP - col == 2 * kLanes) project_block<TB, 2>(x, M, W, NP, rows, col, sums);
-  if (NP - col == kLanes) project_block<TB, 1>(x, M, W, NP, rows, col, sums);
+    project_block<Lanes8, TB, 3>(x, M, W, NP, rows, col, sums);
+  if (NP - col == 2 * kLanes) project_block<Lanes8, TB, 2>(x, M, W, NP, rows, col, sums);
+  if (NP - col == kLanes) project_block<Lanes8, TB, 1>(x, M, W, NP, rows, col, sums);
 }
 
-// dx rows of TB tokens, VB*8 columns from j of the folded block W^T (rows `width` apart):
-// acc = dx; acc += dP[t, c] * W^T[c, j..] over c in order.
-template <int TB, int VB>
+// dx rows of TB tokens, VB vectors of columns from j of the folded block W^T (rows `width`
+// apart): acc = dx; acc += dP[t, c] * W^T[c, j..] over c in order.
+template <class V, int TB, int VB>
 MHC_INLINE void input_grad_block(const float* dP, int64_t N, const float* block, int64_t width,
                                  int64_t M, int64_t j, float* dx) {
-  Lanes8 acc[TB][VB];
+  constexpr int64_t L = kWidth<V>;
+  V acc[TB][VB];
   for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t v = 0; v < VB; ++v) load(&acc[t][v], dx + t * M + j + v * kLanes);
+    for (int64_t v = 0; v < VB; ++v) load(&acc[t][v], dx + t * M + j + v * L);
   }
   for (int64_t c = 0; c < N; ++c) {
-    Lanes8 w[VB];
-    for (int64_t v = 0; v < VB; ++v) load(&w[v], block + c * width + j + v * kLanes);
+    V w[VB];
+    for (int64_t v = 0; v < VB; ++v) load(&w[v], block + c * width + j + v * L);
     for (int64_t t = 0; t < TB; ++t) {
       const float d = dP[t * N + c];
       for (int64_t v = 0; v < VB; ++v) acc[t][v] += d * w[v];
     }
   }
   for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t v = 0; v < VB; ++v) store(dx + t * M + j + v * kLanes, &acc[t][v]);
+    for (int64_t v = 0; v < VB; ++v) store(dx + t * M + j + v * L, &acc[t][v]);
   }
 }
 
@@ -179,14 +225,20 @@ MHC_INLINE void input_grad_tokens_direct(const float* dP, int64_t N, const float
   }
 }
 
-// TB tokens of dx over one folded block (dx points at the block's first column).
-template <int TB>
+// TB tokens of dx over one folded block (dx points at the block's first column): two vectors at a
+// time, then one; the 16-lane instance leaves a last 8 columns to an 8-lane vector.
+template <class V, int TB>
 MHC_INLINE void input_grad_tokens(const float* dP, int64_t N, const float* block, int64_t width,
                                   int64_t M, float* dx) {
+  constexpr int64_t L = kWidth<V>;
   int64_t j = 0;
-  for (; j + 2 * kLanes <= width; j += 2 * kLanes)
-    input_grad_block<TB, 2>(dP, N, block, width, M, j, dx);
-  for (; j + kLanes <= width; j += kLanes) input_grad_block<TB, 1>(dP, N, block, width, M, j, dx);
+  for (; j + 2 * L <= width; j += 2 * L) input_grad_block<V, TB, 2>(dP, N, block, width, M, j, dx);
+  for (; j + L <= width; j += L) input_grad_block<V, TB, 1>(dP, N, block, width, M, j, dx);
+  if constexpr (L > kLanes) {
+    for (; j + kLanes <= width; j += kLanes) {
+      input_grad_block<Lanes8, TB, 1>(dP, N, block, width, M, j, dx);
+    }
+  }
   for (; j < width; ++j) {
     for (int64_t t = 0; t < TB; ++t) {
       float acc = dx[t * M + j];
@@ -196,198 +248,94 @@ MHC_INLINE void input_grad_tokens(const float* dP, int64_t N, const float* block
   }
 }
 
-// Sums of CB rows from c0 and VB*8 columns from j: f32 sums over the tokens, stored in S (rows
-// `width` apart). `packed` holds the tile's x for columns from j, one token every kPackColumns.
-template <int CB, int VB>
+// One folded block of the input gradient, every token: kMaxTokens at a time, then 4, then the
+// rest.
+template <class V, int kMaxTokens>
+MHC_INLINE void input_grad_rows(const float* dP, int64_t tokens, int64_t N, const float* block,
+                                int64_t width, int64_t M, float* dx) {
+  int64_t t = 0;
+  if constexpr (kMaxTokens == 8) {
+    for (; t + 8 <= tokens; t += 8) {
+      input_grad_tokens<V, 8>(dP + t * N, N, block, width, M, dx + t * M);
+    }
+  }
+  for (; t + 4 <= tokens; t += 4)
+    input_grad_tokens<V, 4>(dP + t * N, N, block, width, M, dx + t * M);
+  const int64_t rest = tokens - t;
+  if (rest == 3) input_grad_tokens<V, 3>(dP + t * N, N, block, width, M, dx + t * M);
+  if (rest == 2) input_grad_tokens<V, 2>(dP + t * N, N, block, width, M, dx + t * M);
+  if (rest == 1) input_grad_tokens<V, 1>(dP + t * N, N, block, width, M, dx + t * M);
+}
+
+// Sums of CB rows from c0 and VB vectors of columns from j: f32 sums over the tokens, stored in S
+// (rows `width` apart). `packed` holds the tile's x for columns from j, one token every
+// kPackColumns.
+template <class V, int CB, int VB>
 MHC_INLINE void weight_grad_block(const float* packed, const float* dP, int64_t N, int64_t tokens,
                                   int64_t c0, int64_t width, int64_t j, float* S) {
-  Lanes8 acc[CB][VB] = {};
+  constexpr int64_t L = kWidth<V>;
+  V acc[CB][VB] = {};
   for (int64_t t = 0; t < tokens; ++t) {
-    Lanes8 xv[VB];
-    for (int64_t v = 0; v < VB; ++v) load(&xv[v], packed + t * kPackColumns + v * kLanes);
+    V xv[VB];
+    for (int64_t v = 0; v < VB; ++v) load(&xv[v], packed + t * kPackColumns + v * L);
     for (int64_t k = 0; k < CB; ++k) {
       const float d = dP[t * N + c0 + k];
       for (int64_t v = 0; v < VB; ++v) acc[k][v] += d * xv[v];
     }
   }
   for (int64_t k = 0; k < CB; ++k) {
-    for (int64_t v = 0; v < VB; ++v) store(S + (c0 + k) * width + j + v * kLanes, &acc[k][v]);
+    for (int64_t v = 0; v < VB; ++v) store(S + (c0 + k) * width + j + v * L, &acc[k][v]);
   }
 }
 
-template <int VB>
+// Rows of N per register block of the weight gradient: 4 with 8 lanes, 8 with 16.
+template <class V>
+inline constexpr int kWeightGradRows = kWidth<V> == 8 ? 4 : 8;
+
+template <class V, int VB>
 MHC_INLINE void weight_grad_columns(const float* packed, const float* dP, int64_t N, int64_t tokens,
                                     int64_t width, int64_t j, float* S) {
+  constexpr int kRows = kWeightGradRows<V>;
   int64_t c = 0;
-  for (; c + 4 <= N; c += 4) weight_grad_block<4, VB>(packed, dP, N, tokens, c, width, j, S);
-  for (; c < N; ++c) weight_grad_block<1, VB>(packed, dP, N, tokens, c, width, j, S);
+  for (; c + kRows <= N; c += kRows) {
+    weight_grad_block<V, kRows, VB>(packed, dP, N, tokens, c, width, j, S);
+  }
+  for (; c < N; ++c) weight_grad_block<V, 1, VB>(packed, dP, N, tokens, c, width, j, S);
 }
 
-// The projection's register block with 16-lane vectors, for CPUs with AVX-512, W folded in
-// registers from phi as in project_block_direct (column vector j starts at starts[j]; a last one
-// that would pass N starts at N - 16). The same sums as the 8-lane kernels: each output adds the
-// products of its rows in order, one FMA each.
-typedef float Lanes16 __attribute__((vector_size(64)));
-typedef float UnalignedLanes16 __attribute__((vector_size(64), aligned(4), may_alias));
-
-template <int TB, int CB>
-MHC_INLINE void project_block16(const float* x, int64_t M, const float* norm_weight,
-                                const float* phi, int64_t N, int64_t NP, int64_t rows,
-                                const int64_t* starts, float* sums) {
-  Lanes16 acc[TB][CB] = {};
-  for (int64_t m = 0; m < rows; ++m) {
-    const float scale = norm_weight[m];
-    Lanes16 w[CB];
-    for (int64_t j = 0; j < CB; ++j) {
-      w[j] = *reinterpret_cast<const UnalignedLanes16*>(phi + m * N + starts[j]) * scale;
-    }
-    for (int64_t t = 0; t < TB; ++t) {
-      const float xv = x[t * M + m];
-      for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
-    }
+// The columns [j, done) of one packed block, two vectors at a time, then one; returns done.
+template <class V>
+MHC_INLINE int64_t weight_grad_vectors(const float* packed, const float* dP, int64_t N,
+                                       int64_t tokens, int64_t width, int64_t j, float* S) {
+  constexpr int64_t L = kWidth<V>;
+  for (; j + 2 * L <= width; j += 2 * L) {
+    weight_grad_columns<V, 2>(packed + j, dP, N, tokens, width, j, S);
   }
-  for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t j = 0; j < CB; ++j) {
-      *reinterpret_cast<UnalignedLanes16*>(sums + t * NP + starts[j]) = acc[t][j];
-    }
-  }
+  for (; j + L <= width; j += L) weight_grad_columns<V, 1>(packed + j, dP, N, tokens, width, j, S);
+  return j;
 }
 
-template <int TB>
-MHC_INLINE void project_tokens16(const float* x, int64_t M, const float* norm_weight,
-                                 const float* phi, int64_t N, int64_t NP, int64_t rows,
-                                 float* sums) {
-  int64_t starts[2];
-  for (int64_t col = 0; col < N; col += 2 * kLanes16) {
-    int64_t count = 0;
-    for (; count < 2 && col + count * kLanes16 < N; ++count) {
-      starts[count] = std::min(col + count * kLanes16, N - kLanes16);
-    }
-    if (count == 2) project_block16<TB, 2>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
-    if (count == 1) project_block16<TB, 1>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
-  }
-}
-
+// The 16-lane instances, for CPUs with AVX-512 (wide_projection()).
 #define MHC_AVX512 __attribute__((target("avx512f,avx512vl,avx2,fma")))
 
-// One block of rows with the 16-lane kernels (N >= 16).
+// One block of rows of the projection (N >= 16), W folded in registers.
 MHC_AVX512 void project_block_avx512(const float* x, int64_t tokens, int64_t M,
                                      const float* norm_weight, const float* phi, int64_t N,
                                      int64_t NP, int64_t rows, float* out) {
-  int64_t t = 0;
-  for (; t + 8 <= tokens; t += 8) {
-    project_tokens16<8>(x + t * M, M, norm_weight, phi, N, NP, rows, out + t * NP);
-  }
-  for (; t + 4 <= tokens; t += 4) {
-    project_tokens16<4>(x + t * M, M, norm_weight, phi, N, NP, rows, out + t * NP);
-  }
-  const int64_t rest = tokens - t;
-  const float* xt = x + t * M;
-  float* sums = out + t * NP;
-  if (rest == 3) project_tokens16<3>(xt, M, norm_weight, phi, N, NP, rows, sums);
-  if (rest == 2) project_tokens16<2>(xt, M, norm_weight, phi, N, NP, rows, sums);
-  if (rest == 1) project_tokens16<1>(xt, M, norm_weight, phi, N, NP, rows, sums);
+  project_rows_direct<Lanes16, 8>(x, tokens, M, norm_weight, phi, N, NP, rows, out);
 }
 
-// The input gradient with 16-lane vectors: TB tokens x VB*16 columns from j of a folded W^T block,
-// sums over c in order as input_grad_block.
-template <int TB, int VB>
-MHC_INLINE void input_grad_block16(const float* dP, int64_t N, const float* block, int64_t width,
-                                   int64_t M, int64_t j, float* dx) {
-  Lanes16 acc[TB][VB];
-  for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t v = 0; v < VB; ++v) {
-      acc[t][v] = *reinterpret_cast<const UnalignedLanes16*>(dx + t * M + j + v * kLanes16);
-    }
-  }
-  for (int64_t c = 0; c < N; ++c) {
-    Lanes16 w[VB];
-    for (int64_t v = 0; v < VB; ++v) {
-      w[v] = *reinterpret_cast<const UnalignedLanes16*>(block + c * width + j + v * kLanes16);
-    }
-    for (int64_t t = 0; t < TB; ++t) {
-      const float d = dP[t * N + c];
-      for (int64_t v = 0; v < VB; ++v) acc[t][v] += d * w[v];
-    }
-  }
-  for (int64_t t = 0; t < TB; ++t) {
-    for (int64_t v = 0; v < VB; ++v) {
-      *reinterpret_cast<UnalignedLanes16*>(dx + t * M + j + v * kLanes16) = acc[t][v];
-    }
-  }
-}
-
-template <int TB>
-MHC_INLINE void input_grad_tokens16(const float* dP, int64_t N, const float* block, int64_t width,
-                                    int64_t M, float* dx) {
-  int64_t j = 0;
-  for (; j + 2 * kLanes16 <= width; j += 2 * kLanes16)
-    input_grad_block16<TB, 2>(dP, N, block, width, M, j, dx);
-  for (; j + kLanes16 <= width; j += kLanes16)
-    input_grad_block16<TB, 1>(dP, N, block, width, M, j, dx);
-  for (; j + kLanes <= width; j += kLanes) input_grad_block<TB, 1>(dP, N, block, width, M, j, dx);
-  for (; j < width; ++j) {
-    for (int64_t t = 0; t < TB; ++t) {
-      float acc = dx[t * M + j];
-      for (int64_t c = 0; c < N; ++c) acc += dP[t * N + c] * block[c * width + j];
-      dx[t * M + j] = acc;
-    }
-  }
-}
-
-// One folded block of the input gradient, every token, with the 16-lane kernels.
+// One folded block of the input gradient.
 MHC_AVX512 void input_grad_avx512(const float* dP, int64_t tokens, int64_t N, const float* block,
                                   int64_t width, int64_t M, float* dx) {
-  int64_t t = 0;
-  for (; t + 8 <= tokens; t += 8)
-    input_grad_tokens16<8>(dP + t * N, N, block, width, M, dx + t * M);
-  for (; t + 4 <= tokens; t += 4)
-    input_grad_tokens16<4>(dP + t * N, N, block, width, M, dx + t * M);
-  const int64_t rest = tokens - t;
-  if (rest == 3) input_grad_tokens16<3>(dP + t * N, N, block, width, M, dx + t * M);
-  if (rest == 2) input_grad_tokens16<2>(dP + t * N, N, block, width, M, dx + t * M);
-  if (rest == 1) input_grad_tokens16<1>(dP + t * N, N, block, width, M, dx + t * M);
+  input_grad_rows<Lanes16, 8>(dP, tokens, N, block, width, M, dx);
 }
 
-// The weight gradient with 16-lane vectors: CB rows from c0 x VB*16 columns from j, f32 sums over
-// the tokens in order as weight_grad_block.
-template <int CB, int VB>
-MHC_INLINE void weight_grad_block16(const float* packed, const float* dP, int64_t N, int64_t tokens,
-                                    int64_t c0, int64_t width, int64_t j, float* S) {
-  Lanes16 acc[CB][VB] = {};
-  for (int64_t t = 0; t < tokens; ++t) {
-    Lanes16 xv[VB];
-    for (int64_t v = 0; v < VB; ++v) {
-      xv[v] = *reinterpret_cast<const UnalignedLanes16*>(packed + t * kPackColumns + v * kLanes16);
-    }
-    for (int64_t k = 0; k < CB; ++k) {
-      const float d = dP[t * N + c0 + k];
-      for (int64_t v = 0; v < VB; ++v) acc[k][v] += d * xv[v];
-    }
-  }
-  for (int64_t k = 0; k < CB; ++k) {
-    for (int64_t v = 0; v < VB; ++v) {
-      *reinterpret_cast<UnalignedLanes16*>(S + (c0 + k) * width + j + v * kLanes16) = acc[k][v];
-    }
-  }
-}
-
-// The columns [0, done) of one packed block with the 16-lane kernels; returns done (a multiple
-// of 16), the rest left to the 8-lane ones.
+// The columns [0, done) of one packed block of the weight gradient; returns done (a multiple of
+// 16), the rest left to the 8-lane vectors.
 MHC_AVX512 int64_t weight_grad_avx512(const float* packed, const float* dP, int64_t N,
                                       int64_t tokens, int64_t width, float* S) {
-  int64_t j = 0;
-  for (; j + 2 * kLanes16 <= width; j += 2 * kLanes16) {
-    int64_t c = 0;
-    for (; c + 8 <= N; c += 8) weight_grad_block16<8, 2>(packed + j, dP, N, tokens, c, width, j, S);
-    for (; c < N; ++c) weight_grad_block16<1, 2>(packed + j, dP, N, tokens, c, width, j, S);
-  }
-  for (; j + kLanes16 <= width; j += kLanes16) {
-    int64_t c = 0;
-    for (; c + 8 <= N; c += 8) weight_grad_block16<8, 1>(packed + j, dP, N, tokens, c, width, j, S);
-    for (; c < N; ++c) weight_grad_block16<1, 1>(packed + j, dP, N, tokens, c, width, j, S);
-  }
-  return j;
+  return weight_grad_vectors<Lanes16>(packed, dP, N, tokens, width, 0, S);
 }
 
 }  // namespace
@@ -426,15 +374,8 @@ MHC_CLONES void project_blocks(const float* x, int64_t tokens, const FoldedWeigh
       continue;
     }
     if (fold_in_registers(tokens, N)) {
-      const float* nw = w.norm_weight + m0;
-      const float* phi = w.phi + m0 * N;
-      int64_t t = 0;
-      for (; t + 4 <= tokens; t += 4)
-        project_tokens_direct<4>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
-      const int64_t rest = tokens - t;
-      if (rest == 3) project_tokens_direct<3>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
-      if (rest == 2) project_tokens_direct<2>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
-      if (rest == 1) project_tokens_direct<1>(xb + t * M, M, nw, phi, N, NP, rows, out + t * NP);
+      project_rows_direct<Lanes8, 4>(xb, tokens, M, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows,
+                                     out);
       continue;
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -525,13 +466,7 @@ MHC_CLONES void add_projection_grad(const float* dP, int64_t tokens, const Folde
       input_grad_avx512(dP, tokens, N, block, width, M, out);
       continue;
     }
-    int64_t t = 0;
-    for (; t + 4 <= tokens; t += 4)
-      input_grad_tokens<4>(dP + t * N, N, block, width, M, out + t * M);
-    const int64_t rest = tokens - t;
-    if (rest == 3) input_grad_tokens<3>(dP + t * N, N, block, width, M, out + t * M);
-    if (rest == 2) input_grad_tokens<2>(dP + t * N, N, block, width, M, out + t * M);
-    if (rest == 1) input_grad_tokens<1>(dP + t * N, N, block, width, M, out + t * M);
+    input_grad_rows<Lanes8, 4>(dP, tokens, N, block, width, M, out);
   }
 }
 
@@ -561,12 +496,7 @@ MHC_CLONES void weight_grad_sums(const float* x, const float* dP, int64_t tokens
     }
   }
   int64_t j = wide_projection() ? weight_grad_avx512(packed.data(), dP, N, tokens, width, S) : 0;
-  for (; j + 2 * kLanes <= width; j += 2 * kLanes) {
-    weight_grad_columns<2>(packed.data() + j, dP, N, tokens, width, j, S);
-  }
-  for (; j + kLanes <= width; j += kLanes) {
-    weight_grad_columns<1>(packed.data() + j, dP, N, tokens, width, j, S);
-  }
+  j = weight_grad_vectors<Lanes8>(packed.data(), dP, N, tokens, width, j, S);
   for (; j < width; ++j) {
     for (int64_t c = 0; c < N; ++c) {
       float acc = 0.0f;

@@ -2,13 +2,12 @@
 // chains at the widest vector width, each on the library's thread pool.
 #include "mhc/roofline.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
 #include "thread_pool.h"
 
 namespace mhc {
@@ -35,50 +34,37 @@ double median_seconds(int threads, int repeats, const Job& job) {
   return times[times.size() / 2];
 }
 
-// Independent FMA chains, more than the FMA latency times the pipes, so throughput is the limit.
-// The inputs come through `seed` so the compiler cannot fold the loop.
-__attribute__((target("avx512f"))) float fma_chains_avx512(int64_t iterations, float seed) {
-  constexpr int kChains = 16;
-  __m512 acc[kChains];
-  for (int k = 0; k < kChains; ++k) acc[k] = _mm512_set1_ps(seed + static_cast<float>(k));
-  const __m512 scale = _mm512_set1_ps(0.999999f), shift = _mm512_set1_ps(seed * 1e-7f);
+// Independent FMA chains of vectors V, more than the FMA latency times the pipes, so throughput
+// is the limit: one template, instantiated inside each instruction set's function (the chains are
+// contracted into FMAs where the target has them; roofline.cc is compiled with
+// -ffp-contract=fast). The inputs come through `seed` so the compiler cannot fold the loop.
+template <class V, int kChains>
+MHC_INLINE float fma_chains(int64_t iterations, float seed) {
+  constexpr int kWidth = static_cast<int>(sizeof(V) / sizeof(float));
+  V acc[kChains];
+  for (int k = 0; k < kChains; ++k) acc[k] = V{} + (seed + static_cast<float>(k));
+  const V scale = V{} + 0.999999f, shift = V{} + seed * 1e-7f;
   for (int64_t i = 0; i < iterations; ++i) {
-    for (int k = 0; k < kChains; ++k) acc[k] = _mm512_fmadd_ps(acc[k], scale, shift);
+    for (int k = 0; k < kChains; ++k) acc[k] = acc[k] * scale + shift;
   }
-  __m512 total = acc[0];
-  for (int k = 1; k < kChains; ++k) total = _mm512_add_ps(total, acc[k]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, total);
-  return lanes[0] + lanes[15];
+  V total = acc[0];
+  for (int k = 1; k < kChains; ++k) total += acc[k];
+  return total[0] + total[kWidth - 1];
+}
+
+typedef float Lanes4 __attribute__((vector_size(16)));
+
+__attribute__((target("avx512f"))) float fma_chains_avx512(int64_t iterations, float seed) {
+  return fma_chains<cpu::simd::Lanes16, 16>(iterations, seed);
 }
 
 __attribute__((target("avx2,fma"))) float fma_chains_avx2(int64_t iterations, float seed) {
-  constexpr int kChains = 12;
-  __m256 acc[kChains];
-  for (int k = 0; k < kChains; ++k) acc[k] = _mm256_set1_ps(seed + static_cast<float>(k));
-  const __m256 scale = _mm256_set1_ps(0.999999f), shift = _mm256_set1_ps(seed * 1e-7f);
-  for (int64_t i = 0; i < iterations; ++i) {
-    for (int k = 0; k < kChains; ++k) acc[k] = _mm256_fmadd_ps(acc[k], scale, shift);
-  }
-  __m256 total = acc[0];
-  for (int k = 1; k < kChains; ++k) total = _mm256_add_ps(total, acc[k]);
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, total);
-  return lanes[0] + lanes[7];
+  return fma_chains<cpu::simd::Lanes8, 12>(iterations, seed);
 }
 
 // Baseline x86-64 has no FMA: a multiply and an add per lane, counted as one FMA's two FLOPs.
 float fma_chains_sse2(int64_t iterations, float seed) {
-  constexpr int kChains = 12;
-  __m128 acc[kChains];
-  for (int k = 0; k < kChains; ++k) acc[k] = _mm_set1_ps(seed + static_cast<float>(k));
-  const __m128 scale = _mm_set1_ps(0.999999f), shift = _mm_set1_ps(seed * 1e-7f);
-  for (int64_t i = 0; i < iterations; ++i) {
-    for (int k = 0; k < kChains; ++k) acc[k] = _mm_add_ps(_mm_mul_ps(acc[k], scale), shift);
-  }
-  __m128 total = acc[0];
-  for (int k = 1; k < kChains; ++k) total = _mm_add_ps(total, acc[k]);
-  return _mm_cvtss_f32(total);
+  return fma_chains<Lanes4, 12>(iterations, seed);
 }
 
 struct FmaKernel {

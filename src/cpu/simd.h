@@ -46,11 +46,20 @@ typedef float Lanes8 __attribute__((vector_size(32)));
 // stack).
 typedef float UnalignedLanes8 __attribute__((vector_size(32), aligned(4), may_alias));
 
+// Sixteen f32 lanes, one AVX-512 register: only inside target("avx512f") functions (the
+// projection's, projection.cc), which kernels templated over the vector type instantiate.
+typedef float Lanes16 __attribute__((vector_size(64)));
+typedef float UnalignedLanes16 __attribute__((vector_size(64), aligned(4), may_alias));
+
 // Helpers take vectors by pointer: by value would change the ABI between the clones.
 MHC_INLINE void load(Lanes8* v, const float* p) {
   *v = *reinterpret_cast<const UnalignedLanes8*>(p);
 }
 MHC_INLINE void store(float* p, const Lanes8* v) { *reinterpret_cast<UnalignedLanes8*>(p) = *v; }
+MHC_INLINE void load(Lanes16* v, const float* p) {
+  *v = *reinterpret_cast<const UnalignedLanes16*>(p);
+}
+MHC_INLINE void store(float* p, const Lanes16* v) { *reinterpret_cast<UnalignedLanes16*>(p) = *v; }
 
 typedef uint16_t Bits8x16 __attribute__((vector_size(16)));
 typedef uint32_t Bits8x32 __attribute__((vector_size(32)));
