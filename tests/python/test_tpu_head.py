@@ -81,12 +81,13 @@ def test_head_forward_and_backward_match_reference(seed, case):
 
 def test_head_is_batch_invariant(seed):
     """A token's out, gates and dx depend only on its own inputs (spec: Accuracy, batch
-    invariance): token 150 of a three-tile call equals the same token alone, bit for bit."""
+    invariance): token 150 of a two-tile call (the second tile, ragged) equals the same token alone,
+    bit for bit."""
     config = mj.Config(n=4)
     rng = np.random.default_rng(seed)
     head = random_head(rng, 4, 130)
-    x = jnp.asarray(rng.standard_normal((300, 4, 130)), jnp.bfloat16)
-    dout = jnp.asarray(rng.standard_normal((300, 130)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((200, 4, 130)), jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal((200, 130)), jnp.bfloat16)
     one = slice(150, 151)
     many = mhc.tpu.head_forward(config, x, head, tile=TILE, interpret=INTERPRET)
     many += mhc.tpu.head_backward(config, dout, x, head, tile=TILE, interpret=INTERPRET)[:1]

@@ -25,8 +25,7 @@ CASES = [
     (4, 130, 300, "sinkhorn", jnp.float32, {}),
     (3, 1, 37, "permutations", jnp.bfloat16, {}),
     # sinkhorn_eps = 0: the padding rows of the Sinkhorn groups (n < 8) must not divide 0 by 0.
-    (1, 130, 1, "sinkhorn", jnp.bfloat16, {"sinkhorn_eps": 0.0}),
-    (3, 1, 37, "sinkhorn", jnp.float32, {"sinkhorn_eps": 0.0, "sinkhorn_iters": 30}),
+    (1, 130, 1, "sinkhorn", jnp.bfloat16, {"sinkhorn_eps": 0.0, "sinkhorn_iters": 30}),
     (4, 1, 37, "permutations", jnp.float32, CUSTOM),
     (8, 1, 37, "sinkhorn", jnp.float32, CUSTOM),
     (3, 600, 37, "sinkhorn", jnp.float32, CUSTOM),  # Dp = 640: five feature chunks
@@ -97,11 +96,11 @@ def test_pre_backward_matches_reference(seed, case):
 
 def test_dx_is_batch_invariant(seed):
     """A token's dx depends only on its own inputs (spec: Accuracy, batch invariance): token 150 of
-    a three-tile call equals the same token alone, bit for bit (in the interpreter: the kernel's
-    structure, not the TPU's arithmetic)."""
+    a two-tile call (the second tile, ragged) equals the same token alone, bit for bit (in the
+    interpreter: the kernel's structure, not the TPU's arithmetic)."""
     config = mj.Config(n=4)
     rng = np.random.default_rng(seed)
-    params, x, dli, x64, dli64, layer_out, g = _problem(rng, config, 130, 300, jnp.bfloat16)
+    params, x, dli, x64, dli64, layer_out, g = _problem(rng, config, 130, 200, jnp.bfloat16)
     _, inputs, _ = _oracle(config, x64, layer_out, params, dli64, g)
     dx_partial, dh_post, dh_res = _kernel_inputs(inputs, jnp.bfloat16)
     one = slice(150, 151)
