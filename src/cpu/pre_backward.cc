@@ -106,8 +106,9 @@ struct BackwardWorkspace {
 
   double* G = nullptr;
   double* chunk_sums = nullptr;
-  float* weight_sums = nullptr;  // per worker [N, kWeightGradBlock]
-  SplitRowsScratch split{};      // the decode split's projection sums
+  float* weight_sums = nullptr;    // per worker [N, kWeightGradBlock]
+  double* block_totals = nullptr;  // per thread [N, kWeightGradBlock]: a block's finished sums
+  SplitRowsScratch split{};        // the decode split's projection sums
   std::vector<Slot> slots;
   std::byte* source_staging = nullptr;  // slots x the tile source's staging_bytes(tile)
 
@@ -121,6 +122,7 @@ struct BackwardWorkspace {
     G = take.template take<double>(count(plan.direct ? 0 : plan.chunks * N * M));
     chunk_sums = take.template take<double>(count(plan.chunks * (N + 3)));
     weight_sums = take.template take<float>(count(plan.workers * N * kWeightGradBlock));
+    block_totals = take.template take<double>(count(plan.threads * N * kWeightGradBlock));
     const int64_t split_tokens = plan.split_rows ? tile : 0;
     split.sums = take.template take<float>(
         count(ceil_div(M, kProjectionBlock) * split_tokens * padded_width(N)));
@@ -248,8 +250,10 @@ struct BackwardRun {
       const int64_t width = std::min(kWeightGradBlock, M - m0);
       weight_grad_sums(xf, s.dP, tokens, M, N, m0, S);
       if (plan.direct) {
-        finish_weight_sums(S, width, N, m0, weights.norm_weight, weights.phi, grads.phi,
-                           grads.norm_weight);
+        double* totals = work.block_totals + worker * N * kWeightGradBlock;
+        for (int64_t e = 0; e < N * width; ++e) totals[e] = static_cast<double>(S[e]);
+        finish_weight_block(totals, width, N, m0, weights.norm_weight, weights.phi, grads.phi,
+                            grads.norm_weight);
       } else {
         double* block = work.G + chunk * N * M + m0 * N;
         for (int64_t e = 0; e < N * width; ++e) block[e] += static_cast<double>(S[e]);
@@ -327,18 +331,19 @@ struct BackwardRun {
   void reduce_chunks() const {
     const int64_t M = dims.M, N = dims.N, chunks = plan.chunks;
     if (!plan.direct) {
-      ThreadPool& pool = ThreadPool::instance();
-      pool.parallel_for(ceil_div(M, kWeightGradBlock), pool.threads(), [&](int64_t task, int) {
-        const int64_t m0 = task * kWeightGradBlock, width = std::min(kWeightGradBlock, M - m0);
-        const double* block = work.G + m0 * N;
-        auto total = [&](int64_t c, int64_t j) {
-          double sum = 0.0;
-          for (int64_t k = 0; k < chunks; ++k) sum += block[k * N * M + c * width + j];
-          return sum;
-        };
-        finish_weight_block(m0, width, N, total, weights.norm_weight, weights.phi, grads.phi,
-                            grads.norm_weight);
-      });
+      ThreadPool::instance().parallel_for(
+          ceil_div(M, kWeightGradBlock), plan.threads, [&](int64_t task, int worker) {
+            const int64_t m0 = task * kWeightGradBlock, width = std::min(kWeightGradBlock, M - m0);
+            const double* block = work.G + m0 * N;
+            double* totals = work.block_totals + worker * N * kWeightGradBlock;
+            for (int64_t e = 0; e < N * width; ++e) {
+              double sum = 0.0;
+              for (int64_t k = 0; k < chunks; ++k) sum += block[k * N * M + e];
+              totals[e] = sum;
+            }
+            finish_weight_block(totals, width, N, m0, weights.norm_weight, weights.phi, grads.phi,
+                                grads.norm_weight);
+          });
     }
     for (int64_t c = 0; c < N + 3; ++c) {
       double total = 0.0;
@@ -348,28 +353,6 @@ struct BackwardRun {
       } else {
         grads.bias[c - 3] = static_cast<float>(total);
       }
-    }
-  }
-
-  // dphi = norm_weight * G and dnorm_weight = sum_c phi G for the rows [m0, m0 + width) of one
-  // weight-gradient block, from total(c, j) = G[c, m0 + j] in double. dnorm_weight sums its N
-  // signed terms, which can cancel, in double and in order of c; the rows' sums run side by side
-  // (c outside, rows inside), so they are independent chains instead of one long dependent one.
-  template <class Total>
-  static void finish_weight_block(int64_t m0, int64_t width, int64_t N, Total total,
-                                  const float* norm_weight, const float* phi, float* dphi,
-                                  float* dnorm_weight) {
-    double through_norm_weight[kWeightGradBlock] = {};
-    for (int64_t c = 0; c < N; ++c) {
-      for (int64_t j = 0; j < width; ++j) {
-        const int64_t m = m0 + j;
-        const double g = total(c, j);
-        dphi[m * N + c] = static_cast<float>(norm_weight[m] * g);
-        through_norm_weight[j] += phi[m * N + c] * g;
-      }
-    }
-    for (int64_t j = 0; j < width; ++j) {
-      dnorm_weight[m0 + j] = static_cast<float>(through_norm_weight[j]);
     }
   }
 };

@@ -18,6 +18,7 @@ using simd::Lanes16;
 using simd::Lanes8;
 using simd::load;
 using simd::store;
+using simd::transpose8;
 
 // Whether the kernels fold W in registers rather than into a block buffer: with few tokens the
 // fold, done once per block, would cost more than the products; a row of phi narrower than one
@@ -164,25 +165,6 @@ MHC_INLINE void input_grad_block(const float* dP, int64_t N, const float* block,
   }
   for (int64_t t = 0; t < TB; ++t) {
     for (int64_t v = 0; v < VB; ++v) store(dx + t * M + j + v * L, &acc[t][v]);
-  }
-}
-
-// Rows r[0..8) of 8 floats transposed in place: r[c][i] becomes the old r[i][c].
-MHC_INLINE void transpose8(Lanes8* r) {
-  Lanes8 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-    u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-    u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
   }
 }
 
@@ -504,49 +486,6 @@ MHC_CLONES void weight_grad_sums(const float* x, const float* dP, int64_t tokens
         acc += dP[t * N + c] * packed[static_cast<size_t>(t * kPackColumns + j)];
       S[c * width + j] = acc;
     }
-  }
-}
-
-MHC_CLONES void finish_weight_sums(const float* S, int64_t width, int64_t N, int64_t m0,
-                                   const float* norm_weight, const float* phi, float* dphi,
-                                   float* dnorm_weight) {
-  using simd::Wide8;
-  int64_t j = 0;
-  if (N >= kLanes) {
-    // 8 rows at a time: blocks of 8 columns c transposed in registers, so dphi is stored along c
-    // and each row's dnorm_weight sum runs over c in order, one lane per row.
-    for (; j + kLanes <= width; j += kLanes) {
-      const int64_t m = m0 + j;
-      Wide8 through = {};
-      for (int64_t c0 = 0; c0 < N; c0 += kLanes) {
-        const int64_t start = std::min(c0, N - kLanes);
-        Lanes8 sums[8], phis[8];
-        for (int64_t k = 0; k < 8; ++k) load(&sums[k], S + (start + k) * width + j);
-        for (int64_t i = 0; i < 8; ++i) load(&phis[i], phi + (m + i) * N + start);
-        transpose8(phis);  // phis[k] = column start + k of the 8 rows
-        // Columns before c0 belong to the block before (the last block overlaps it).
-        for (int64_t k = c0 - start; k < 8; ++k) {
-          through +=
-              __builtin_convertvector(phis[k], Wide8) * __builtin_convertvector(sums[k], Wide8);
-        }
-        transpose8(sums);  // sums[i] = row m + i, columns start..start+8
-        for (int64_t i = 0; i < 8; ++i) {
-          const Lanes8 g = sums[i] * norm_weight[m + i];
-          store(dphi + (m + i) * N + start, &g);
-        }
-      }
-      for (int64_t i = 0; i < 8; ++i) dnorm_weight[m + i] = static_cast<float>(through[i]);
-    }
-  }
-  for (; j < width; ++j) {
-    const int64_t m = m0 + j;
-    double through = 0.0;
-    for (int64_t c = 0; c < N; ++c) {
-      const float g = S[c * width + j];
-      dphi[m * N + c] = norm_weight[m] * g;
-      through += static_cast<double>(phi[m * N + c]) * g;
-    }
-    dnorm_weight[m] = static_cast<float>(through);
   }
 }
 

@@ -70,12 +70,13 @@ void add_projection_grad(const float* dP, int64_t tokens, const FoldedWeight& w,
 void weight_grad_sums(const float* x, const float* dP, int64_t tokens, int64_t M, int64_t N,
                       int64_t m0, float* S);
 
-// dphi and dnorm_weight of the rows [m0, m0 + width) straight from one block's weight-gradient
-// sums S (as weight_grad_sums leaves them): dphi[m, c] = norm_weight[m] * S (one f32 rounding of
-// the exact product) and dnorm_weight[m] = sum_c phi[m, c] S, in double in order of c. These
-// are the bits the chunk reduction of pre_backward gives from a single term.
-void finish_weight_sums(const float* S, int64_t width, int64_t N, int64_t m0,
-                        const float* norm_weight, const float* phi, float* dphi,
-                        float* dnorm_weight);
+// dphi and dnorm_weight of the rows [m0, m0 + width) of one weight-gradient block from its
+// totals, total[c * width + j] = G[c, m0 + j] in double: dphi[m, c] = float(norm_weight[m] *
+// total) and dnorm_weight[m] = sum_c phi[m, c] total, in double and in order of c, each product
+// rounded before it is added. The one finish of pre_backward: a single tile passes its f32 sums
+// widened to double, the chunked reduction the chunks' sum (weight_grad_finish.cc).
+void finish_weight_block(const double* total, int64_t width, int64_t N, int64_t m0,
+                         const float* norm_weight, const float* phi, float* dphi,
+                         float* dnorm_weight);
 
 }  // namespace mhc::cpu

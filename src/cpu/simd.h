@@ -91,11 +91,34 @@ MHC_INLINE void load_any(Lanes8* v, const bf16* p) { load_bf16(v, p); }
 MHC_INLINE void store_any(float* p, const Lanes8* v) { store(p, v); }
 MHC_INLINE void store_any(bf16* p, const Lanes8* v) { store_bf16(p, v); }
 
+// Rows r[0..8) of 8 floats transposed in place: r[c][i] becomes the old r[i][c].
+MHC_INLINE void transpose8(Lanes8* r) {
+  Lanes8 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    u[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+    u[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
 // Eight f32 lanes widened to double: one AVX-512 register in the v4 clone, two AVX ones in v3.
 // Reductions whose signed terms can cancel accumulate in these lanes.
 typedef double Wide8 __attribute__((vector_size(64)));
 
 MHC_INLINE void widen(const Lanes8* v, Wide8* out) { *out = __builtin_convertvector(*v, Wide8); }
+typedef double UnalignedWide8 __attribute__((vector_size(64), aligned(8), may_alias));
+MHC_INLINE void load(Wide8* v, const double* p) {
+  *v = *reinterpret_cast<const UnalignedWide8*>(p);
+}
 
 // The one fixed-order sum of eight double lanes that every reduction uses, so a result depends on
 // the length only, never on the blocking or the SIMD level:
