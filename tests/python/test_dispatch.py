@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import mhc.jax as mj
+import mhc.tpu
 from conftest import random_params
 from mhc import _ffi
 from mhc.jax import _kernels
@@ -22,43 +23,48 @@ T, D = 6, 16
 OPERATIONS = ("pre", "post", "boundary", "head")
 
 
-def _problem(operation: str):
+def _problem(operation: str, config: mj.Config = CONFIG, dtype=jnp.float32):
     """(loss(*args), args) for one public operation alone: its forward and its backward."""
     keys = jax.random.split(jax.random.key(0), 5)
-    x = jax.random.normal(keys[0], (T, CONFIG.n, D), jnp.float32)
-    layer_out = jax.random.normal(keys[1], (T, D), jnp.float32)
-    h_post = jax.random.uniform(keys[2], (T, CONFIG.n), jnp.float32)
-    h_res = jax.random.uniform(keys[3], (T, CONFIG.n, CONFIG.n), jnp.float32)
-    params = random_params(keys[4], CONFIG, D)
+    x = jax.random.normal(keys[0], (T, config.n, D), dtype)
+    layer_out = jax.random.normal(keys[1], (T, D), dtype)
+    h_post = jax.random.uniform(keys[2], (T, config.n), jnp.float32)
+    h_res = jax.random.uniform(keys[3], (T, config.n, config.n), jnp.float32)
+    params = random_params(keys[4], config, D)
 
     def context(x, h_post, h_res, use_kernel):
-        return mj.Context(x, h_post, h_res, CONFIG, use_kernel)
+        return mj.Context(x, h_post, h_res, config, use_kernel)
 
     if operation == "pre":
-        return (lambda x, params, *, use_kernel, **kw: mj.pre(x, params, CONFIG, use_kernel=use_kernel)[0].sum()), (
-            x,
-            params,
-        )
+        return (
+            lambda x, params, *, use_kernel, **kw: (
+                mj.pre(x, params, config, use_kernel=use_kernel)[0].astype(jnp.float32).sum()
+            )
+        ), (x, params)
     if operation == "post":
         return (
-            lambda x, lo, hp, hr, *, use_kernel, **kw: mj.post(lo, context(x, hp, hr, use_kernel)).sum(),
+            lambda x, lo, hp, hr, *, use_kernel, **kw: (
+                mj.post(lo, context(x, hp, hr, use_kernel)).astype(jnp.float32).sum()
+            ),
             (x, layer_out, h_post, h_res),
         )
     if operation == "boundary":
 
         def boundary(x, lo, hp, hr, params, *, use_kernel, **kw):
-            layer_in, _ = mj.boundary(lo, context(x, hp, hr, use_kernel), params, CONFIG, use_kernel=use_kernel, **kw)
-            return layer_in.sum()
+            layer_in, _ = mj.boundary(lo, context(x, hp, hr, use_kernel), params, config, use_kernel=use_kernel, **kw)
+            return layer_in.astype(jnp.float32).sum()
 
         return boundary, (x, layer_out, h_post, h_res, params)
-    head = mj.init_head_params(keys[4], CONFIG, D)
-    return (lambda x, head, *, use_kernel, **kw: mj.head(x, head, CONFIG, use_kernel=use_kernel).sum()), (x, head)
+    head = mj.init_head_params(keys[4], config, D)
+    return (
+        lambda x, head, *, use_kernel, **kw: mj.head(x, head, config, use_kernel=use_kernel).astype(jnp.float32).sum()
+    ), (x, head)
 
 
-def _export(operation: str, platforms, use_kernel: bool = True, **keywords):
+def _export(operation: str, platforms, use_kernel: bool = True, config=CONFIG, dtype=jnp.float32, **keywords):
     """Exports the value and gradient of `operation` for `platforms`; the mhc custom calls are
     allowed in the artifact (they have no compatibility guarantee, which export checks)."""
-    loss, args = _problem(operation)
+    loss, args = _problem(operation, config, dtype)
     checks = [jax.export.DisabledSafetyCheck.custom_call(target) for target in _ffi.TARGET_NAMES]
     function = jax.jit(jax.value_and_grad(lambda *a: loss(*a, use_kernel=use_kernel, **keywords)))
     return jax.export.export(function, platforms=platforms, disabled_checks=checks)(*args)
@@ -77,10 +83,81 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(_kernels, "_warned", set())
 
 
+def _tpu_runs(operation: str) -> tuple[bool, bool]:
+    """(forward, backward): whether a TPU runs them, from the TPU backend's table mhc.tpu.KERNELS:
+    the operation's own kernel, or for the boundary its post and pre ones."""
+    tpu = set(mhc.tpu.KERNELS)
+    own = {f"mhc_{operation}_forward"} <= tpu, {f"mhc_{operation}_backward"} <= tpu
+    if operation != "boundary":
+        return own
+    fallback_forward = {"mhc_post_forward", "mhc_pre_forward"} <= tpu
+    fallback_backward = {"mhc_pre_backward", "mhc_post_backward", "mhc_post_forward"} <= tpu
+    return own[0] or fallback_forward, own[1] or fallback_backward
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
 @pytest.mark.parametrize("operation", OPERATIONS)
-def test_a_tpu_gets_the_mhc_error(operation):
-    with pytest.raises(NotImplementedError, match=rf"mhc\.jax\.{operation}: .*'tpu'.*use_kernel=False"):
-        _export(operation, ["tpu"])
+def test_a_tpu_runs_the_tpu_kernels_or_gets_the_mhc_error(operation, mix, dtype):
+    """Every configuration the dispatch can choose (operation, mix, dtype; value and gradient),
+    exported for a TPU through the public API: Mosaic kernels and no C++ custom call where
+    mhc.tpu.KERNELS has the operation's kernels, else the mhc error naming it."""
+    config = mj.Config(n=4, mix=mix)
+    forward, backward = _tpu_runs(operation)
+    value = jax.jit(lambda *a: _problem(operation, config, dtype)[0](*a, use_kernel=True, fallback="allow"))
+    args = _problem(operation, config, dtype)[1]
+    error = pytest.raises(NotImplementedError, match=rf"mhc\.jax\.{operation}: .*'tpu'.*use_kernel=False")
+    if not forward:
+        with error:
+            jax.export.export(value, platforms=["tpu"])(*args)
+        return
+    text = jax.export.export(value, platforms=["tpu"])(*args).mlir_module()
+    assert "tpu_custom_call" in text and "@mhc_" not in text
+    if not backward:
+        with error:
+            _export(operation, ["tpu"], config=config, dtype=dtype, fallback="allow")
+        return
+    text = _export(operation, ["tpu"], config=config, dtype=dtype, fallback="allow").mlir_module()
+    assert "tpu_custom_call" in text and "@mhc_" not in text
+
+
+def test_a_tpu_runs_its_kernels_inside_shard_map_with_the_tokens_split():
+    """jax.shard_map (check_vma on) over the tokens: each device's kernels, typed like the FFI
+    calls' results. Value and gradient exported for a TPU where KERNELS has pre and post."""
+    if not {"mhc_pre_forward", "mhc_pre_backward", "mhc_post_forward", "mhc_post_backward"} <= set(mhc.tpu.KERNELS):
+        pytest.skip("the TPU backend has no pre/post backward kernel yet (test_a_tpu_runs_... asserts its error)")
+    mesh = jax.sharding.AbstractMesh((2,), ("data",))
+    x, params = _problem("pre")[1]
+    spec = jax.sharding.PartitionSpec
+
+    def sublayer(x, params):
+        layer_in, ctx = mj.pre(x, params, CONFIG)
+        return mj.post(jnp.tanh(layer_in), ctx)
+
+    def loss(x, params):
+        sharded = jax.shard_map(sublayer, mesh=mesh, in_specs=(spec("data"), spec()), out_specs=spec("data"))
+        return jnp.sum(sharded(x, params) ** 2)
+
+    function = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    text = jax.export.export(function, platforms=["tpu"])(x, params).mlir_module()
+    assert text.count("tpu_custom_call") >= 4 and "@mhc_" not in text
+
+
+def test_a_d_split_on_a_tpu_names_what_works():
+    """The TPU has no split form (tensor parallelism): inside shard_map with tensor_axis, the mhc
+    error at lowering (plain jit with D sharded: the same error, from the partitioner; see
+    tpu_dispatch_cases.py)."""
+    mesh = jax.sharding.AbstractMesh((2,), ("model",))
+    x, params = _problem("pre")[1]
+
+    def f(x, params):
+        return mj.pre(x, params, CONFIG, tensor_axis="model")[0]
+
+    spec = jax.sharding.PartitionSpec
+    sharded = jax.shard_map(f, mesh=mesh, in_specs=(spec(None, None, "model"), spec()), out_specs=spec(None, "model"))
+    message = r"mhc\.jax\.pre: D .*split over devices.*'tpu'.*Shard only the tokens.*use_kernel=False"
+    with pytest.raises(NotImplementedError, match=message):
+        jax.export.export(jax.jit(sharded), platforms=["tpu"])(x, params)
 
 
 def test_a_kernel_call_in_the_callers_cpu_branch_exports_for_several_platforms():

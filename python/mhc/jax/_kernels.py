@@ -8,11 +8,20 @@ pre's custom VJP returns x itself as an extra output (the context's copy). post'
 its dx_partial back along that output, so pre's backward receives it as a cotangent and the C++
 pre_backward adds it while it writes dx: no separate pass to sum the two paths of dx.
 
-Dispatch: each operation runs its own kernels on a platform that has them registered, its
-documented fallback's kernels where only those are (the boundary on a GPU: post then pre, with a
-warning once per process unless the caller passed fallback="allow"), and raises an mhc error
-otherwise. The platform is only known when XLA lowers the program (it may be lowered or exported
-for another machine), so the check is a primitive whose lowering rule makes the decision.
+Dispatch: each kernel call (the wrappers below, by FFI target name) is a platform_dependent over
+the backends that have that kernel: the C++ FFI target on cpu and cuda (registered_targets), the
+Pallas kernel mhc.tpu.KERNELS has under the same name on tpu. So the custom VJPs and partitioning
+rules above them are the same on every platform, and nothing above knows which backend ran.
+Each operation runs its own kernels on a platform that has them, its documented fallback's
+kernels where only those are (the boundary on a GPU or a TPU without the fused kernel: post then
+pre, with a warning once per process unless the caller passed fallback="allow"), and raises an
+mhc error otherwise; with D split over devices (tensor parallelism) it needs the split form's
+kernels (cpu and cuda have them, tpu not), else the mhc error names what works instead. The
+platform is only known when XLA lowers the program (it may be lowered or exported for another
+machine), so the checks are a primitive whose lowering rule makes the decision.
+
+Test only: mhc.tpu.testing.interpret_on_cpu makes the CPU lowering dispatch as a TPU would (the
+TPU kernels in Pallas's interpreter); see _interpret_on_cpu.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config as jax_config  # _check_vma: see _tpu_kernel_lowering
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -81,10 +91,71 @@ def _manual_axes_types(args, result_types):
 
 
 def _call(target: str, config: Config, result_types, *args, slices: int = 1):
+    """The kernel ``target`` on ``args``: on each lowering platform, the backend that has it (the
+    C++ FFI target on cpu and cuda, mhc.tpu.KERNELS[target] on tpu, see _backend for the test
+    switch). A platform without it gets the FFI call, which XLA refuses there when it compiles;
+    the platform checks (_check_platform_p) raise the mhc error at lowering before that."""
     args, result_types = _manual_axes_types(args, result_types)
+    single = isinstance(result_types, jax.ShapeDtypeStruct)
+    types = (result_types,) if single else tuple(result_types)
+
+    def ffi(*args):
+        return _ffi_call(*args, target=target, config=config, result_types=types, slices=slices)
+
+    def tpu(interpret):
+        def run(*args):
+            options = dict(target=target, config=config, result_types=types, slices=slices, interpret=interpret)
+            return tuple(_tpu_kernel_p.bind(*args, **options))
+
+        return run
+
+    branches = {}
+    for platform in _KERNEL_PLATFORMS:
+        backend = _backend(platform)
+        if target in registered_targets(backend):
+            # On the CPU under the test switch: the TPU kernel in Pallas's interpreter.
+            branches[platform] = ffi if backend != "tpu" else tpu(None if platform == "tpu" else _interpret_on_cpu)
+    results = jax.lax.platform_dependent(*args, **branches, default=ffi)
+    return results[0] if single else results
+
+
+def _ffi_call(*args, target: str, config: Config, result_types: tuple, slices: int) -> tuple:
     # "sequential": the calls take parameters, which other vmap methods would batch wrongly.
     call = jax.ffi.ffi_call(target, result_types, vmap_method="sequential")
-    return call(*args, **_attributes(config, slices))
+    return tuple(call(*args, **_attributes(config, slices)))
+
+
+# A TPU kernel as a primitive, whose lowering rule for the TPU runs the Pallas kernel. A module
+# lowered for several platforms at once (jax.export) lowers every platform_dependent branch for
+# all of them, and Pallas refuses to lower a TPU kernel for another platform: there the rule is
+# the FFI call instead, never reached at run time (that platform runs its own branch), or, with
+# ``interpret`` (the test switch), the kernel in Pallas's interpreter.
+_tpu_kernel_p = Primitive("mhc_tpu_kernel")
+_tpu_kernel_p.multiple_results = True
+_tpu_kernel_p.def_abstract_eval(lambda *args, result_types, **_: [jax.typeof(r) for r in result_types])
+
+
+def _tpu_kernel_lowering(ctx, *args, target: str, config: Config, result_types: tuple, slices: int, interpret):
+    def kernel(*args):
+        results = _tpu_kernels()[target](config, *args, interpret=interpret)
+        return (results,) if len(result_types) == 1 else tuple(results)
+
+    # Inside jax.shard_map (check_vma), pallas_call wants each output's varying mesh axes in its
+    # out_shape, which the kernels do not give: they see one device's blocks. The primitive's
+    # abstract eval has typed the results already (the operands' common manual axes, as the FFI
+    # call's), so the kernel is traced and lowered without the check.
+    with jax_config._check_vma(False):
+        return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
+
+
+def _elsewhere_lowering(ctx, *args, interpret, **params):
+    if interpret is not None:
+        return _tpu_kernel_lowering(ctx, *args, interpret=interpret, **params)
+    return mlir.lower_fun(_ffi_call, multiple_results=True)(ctx, *args, **params)
+
+
+mlir.register_lowering(_tpu_kernel_p, _elsewhere_lowering)
+mlir.register_lowering(_tpu_kernel_p, functools.partial(_tpu_kernel_lowering, interpret=None), platform="tpu")
 
 
 def _sds(shape, dtype):
@@ -208,6 +279,7 @@ def _pre_forward_local(config: Config, plan, x, norm_weight, phi, alpha, bias):
         layer_in, _, h_post, h_res = pre_forward(config, xf, params)
         partials = jnp.zeros((t, width + 1), _F32)  # only the split backward reads them
     else:
+        xf = _split_form(PRE_FORWARD, xf)
         partials = pre_forward_partials(config, plan.slices, xf, params.norm_weight, params.phi)
         partials = jax.lax.psum(partials, plan.feature_axes)
         layer_in, _, h_post, h_res = pre_forward_finish(config, plan.slices, xf, partials, alpha, bias)
@@ -236,6 +308,7 @@ def _pre_backward_local(config: Config, plan, dlayer_in, dx_partial, dh_post, dh
     if plan.slices == 1:
         dx, *grads = pre_backward(config, dli, dxp, dhp, dhr, xf, params)
     else:
+        xf = _split_form(PRE_BACKWARD, xf)
         dh_pre = jax.lax.psum(pre_backward_partials(config, plan.slices, dli, xf), plan.feature_axes)
         pf = partials.reshape(t, width + 1)
         dx, *grads = pre_backward_finish(config, plan.slices, dli, dxp, dh_pre, dhp, dhr, xf, pf, params)
@@ -275,8 +348,8 @@ def _post_backward_local(config: Config, plan, g, x, layer_out, h_post, h_res):
 
 def _boundary_forward_local(config: Config, plan, x, layer_out, h_post, h_res, *shaped):
     """post of sublayer l, then pre of l+1: fused where the platform has the boundary kernel and D
-    is whole, else (a GPU, whose backend has no boundary kernel yet, or D split over devices) the
-    two operations in turn. A platform with neither was refused by _check_platform."""
+    is whole, else (a platform whose backend has no boundary kernel, or D split over devices) the
+    two operations in turn. A platform with neither was refused by the platform check."""
 
     def separate():
         (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
@@ -296,13 +369,15 @@ def _boundary_forward_local(config: Config, plan, x, layer_out, h_post, h_res, *
         )
 
     if plan.slices > 1:
+        x = _split_form(BOUNDARY_FORWARD, x)
         return separate()
     return tuple(jax.lax.platform_dependent(**_where_registered("mhc_boundary_forward", fused), default=separate))
 
 
 def _boundary_backward_local(config: Config, plan, *operands):
     """pre_backward of sublayer l+1 (its x recomputed by the post of l), then post_backward of l
-    with g = its dx: fused on the CPU when D is whole (dx_next never stored), else in turn."""
+    with g = its dx: fused where the platform has the kernel and D is whole (dx_next never
+    stored), else in turn."""
     next_cotangents, (x, layer_out, h_post, h_res, partials), shaped = operands[:4], operands[4:9], operands[9:]
 
     def separate():
@@ -335,6 +410,7 @@ def _boundary_backward_local(config: Config, plan, *operands):
         )
 
     if plan.slices > 1:
+        x = _split_form(BOUNDARY_BACKWARD, x)
         return separate()
     return tuple(jax.lax.platform_dependent(**_where_registered("mhc_boundary_backward", fused), default=separate))
 
@@ -357,14 +433,16 @@ def _head_backward_local(config: Config, plan, dout, x, fn, base, scale):
 _PARAMS = ("nd", "ndk", "a", "k")
 PRE_FORWARD = Operation(
     "pre_forward",
-    targets=("mhc_pre_forward", "mhc_pre_forward_partials", "mhc_pre_forward_finish"),
+    targets=("mhc_pre_forward",),
+    split_targets=("mhc_pre_forward_partials", "mhc_pre_forward_finish"),
     operands=("Bnd", *_PARAMS),
     results=("Bd", "Bn", "Bnm", "Bp"),
     local=_pre_forward_local,
 )
 PRE_BACKWARD = Operation(
     "pre_backward",
-    targets=("mhc_pre_backward", "mhc_pre_backward_partials", "mhc_pre_backward_finish"),
+    targets=("mhc_pre_backward",),
+    split_targets=("mhc_pre_backward_partials", "mhc_pre_backward_finish"),
     operands=("Bd", "Bnd", "Bn", "Bnm", "Bnd", "Bp", *_PARAMS),
     results=("Bnd", *_PARAMS),
     local=_pre_backward_local,
@@ -373,6 +451,7 @@ PRE_BACKWARD = Operation(
 POST_FORWARD = Operation(
     "post_forward",
     targets=("mhc_post_forward",),
+    split_targets=("mhc_post_forward",),  # the same kernel on each device's features
     operands=("Bnd", "Bd", "Bn", "Bnm"),
     results=("Bnd",),
     local=_post_forward_local,
@@ -380,6 +459,7 @@ POST_FORWARD = Operation(
 POST_BACKWARD = Operation(
     "post_backward",
     targets=("mhc_post_backward",),
+    split_targets=("mhc_post_backward",),  # the same kernel, then an all-reduce of dh_post, dh_res
     operands=("Bnd", "Bnd", "Bd", "Bn", "Bnm"),
     results=("Bnd", "Bd", "Bn", "Bnm"),
     local=_post_backward_local,
@@ -387,14 +467,16 @@ POST_BACKWARD = Operation(
 )
 BOUNDARY_FORWARD = Operation(
     "boundary_forward",
-    targets=("mhc_boundary_forward", *POST_FORWARD.targets, *PRE_FORWARD.targets),
+    targets=("mhc_boundary_forward",),
+    split_targets=(*POST_FORWARD.split_targets, *PRE_FORWARD.split_targets),  # post, then pre (no fused split)
     operands=("Bnd", "Bd", "Bn", "Bnm", *_PARAMS),
     results=("Bnd", "Bd", "Bn", "Bnm", "Bp"),
     local=_boundary_forward_local,
 )
 BOUNDARY_BACKWARD = Operation(
     "boundary_backward",
-    targets=("mhc_boundary_backward", *PRE_BACKWARD.targets, *POST_BACKWARD.targets),
+    targets=("mhc_boundary_backward",),
+    split_targets=(*POST_FORWARD.split_targets, *PRE_BACKWARD.split_targets, *POST_BACKWARD.split_targets),
     operands=("Bd", "Bnd", "Bn", "Bnm", "Bnd", "Bd", "Bn", "Bnm", "Bp", *_PARAMS),
     results=("Bnd", "Bd", "Bn", "Bnm", *_PARAMS),
     local=_boundary_backward_local,
@@ -405,6 +487,7 @@ _HEAD_PARAMS = ("nf", "n", "s")
 HEAD_FORWARD = Operation(
     "head_forward",
     targets=("mhc_head_forward",),
+    split_targets=(),  # none: D is gathered
     operands=("Bne", *_HEAD_PARAMS),
     results=("Be",),
     local=_head_forward_local,
@@ -413,6 +496,7 @@ HEAD_FORWARD = Operation(
 HEAD_BACKWARD = Operation(
     "head_backward",
     targets=("mhc_head_backward",),
+    split_targets=(),
     operands=("Be", "Bne", *_HEAD_PARAMS),
     results=("Bne", *_HEAD_PARAMS),
     local=_head_backward_local,
@@ -429,21 +513,62 @@ OPERATIONS = (
     HEAD_FORWARD,
     HEAD_BACKWARD,
 )
-PARTITIONED_TARGETS = frozenset(target for operation in OPERATIONS for target in operation.targets)
+PARTITIONED_TARGETS = frozenset(
+    target for operation in OPERATIONS for target in operation.targets + operation.split_targets
+)
 """Every FFI target the JAX package calls; tests check it covers every registered target."""
 
 
 # Dispatch per platform (see the module docstring; README, Support).
 
 
+_KERNEL_PLATFORMS = ("cpu", "cuda", "tpu")  # the lowering platforms with an mhc backend
+
+
+def _tpu_kernels() -> dict:
+    """mhc.tpu.KERNELS, imported on first use: mhc.tpu imports mhc.jax._types, so importing it
+    while mhc.jax loads would be circular."""
+    from mhc import tpu
+
+    return tpu.KERNELS
+
+
 def registered_targets(platform: str) -> frozenset:
-    """The FFI targets this process registered for a lowering platform ("cpu", "cuda", ...)."""
+    """The kernels this process has for a lowering platform ("cpu", "cuda", "tpu"), by FFI target
+    name: the C++ FFI targets registered for cpu and cuda, mhc.tpu.KERNELS' keys for tpu."""
+    if platform == "tpu":
+        return frozenset(_tpu_kernels())
     return frozenset({"cpu": _ffi.TARGET_NAMES, "cuda": _ffi.CUDA_TARGETS}.get(platform, ()))
 
 
+# The test switch (mhc.tpu.testing.interpret_on_cpu, never on by default): while it holds Pallas
+# interpret parameters, the CPU lowering dispatches as a TPU would, to mhc.tpu.KERNELS run in the
+# TPU interpreter with these parameters, and raises the TPU's errors for what has no TPU kernel.
+# A module global, not a thread-local: XLA calls the partitioning rules back while it compiles.
+_interpret_on_cpu = None
+
+
+def _set_interpret_on_cpu(interpret) -> None:
+    """Sets the test switch (None: off); only mhc.tpu.testing calls this."""
+    global _interpret_on_cpu
+    _interpret_on_cpu = interpret
+
+
+def _backend(platform: str) -> str:
+    """Whose kernels run on a lowering platform: its own, or the TPU's on the CPU under the switch."""
+    return "tpu" if platform == "cpu" and _interpret_on_cpu is not None else platform
+
+
+def _platform_label(platform: str) -> str:
+    """The platform as the mhc errors name it."""
+    if _backend(platform) != platform:
+        return "'tpu' (the TPU kernels interpreted on the CPU: mhc.tpu.testing.interpret_on_cpu)"
+    return repr(platform)
+
+
 def _where_registered(target: str, branch) -> dict:
-    """platform_dependent's keywords running ``branch`` on the platforms that registered ``target``."""
-    return {platform: branch for platform in ("cpu", "cuda") if target in registered_targets(platform)}
+    """platform_dependent's keywords running ``branch`` on the platforms whose backend has ``target``."""
+    return {platform: branch for platform in _KERNEL_PLATFORMS if target in registered_targets(_backend(platform))}
 
 
 # The documented fallbacks: where a platform lacks an operation's own kernel but has these
@@ -463,26 +588,27 @@ def _public_name(operation: Operation) -> str:
     return "mhc.jax." + operation.name.split("_")[0]
 
 
-def _check_platform_lowering(ctx, x, *, operation: Operation, fallback: str, platform: str | None):
+def _check_platform_lowering(ctx, x, *, operation: Operation, fallback: str, split: bool, platform: str | None):
     """The check for one lowering platform (None: one without a rule of its own, named from the
-    module's platforms): passes x through, warns, or raises."""
+    module's platforms): passes x through, warns, or raises. ``split``: the check of the D-split
+    form (tensor parallelism), made where the partitioning chose it."""
     if platform is None:
         platform = "/".join(p for p in ctx.module_context.platforms if p not in _NAMED_PLATFORMS)
-    name = _public_name(operation)
-    substitutes = _FALLBACKS.get(operation.name, ())
-    own = frozenset(operation.targets) - {t for substitute in substitutes for t in substitute.targets}
-    registered = registered_targets(platform)
-    if own <= registered:
+    name, label = _public_name(operation), _platform_label(platform)
+    registered = registered_targets(_backend(platform))
+    needed = frozenset(operation.split_targets if split else operation.targets)
+    if needed <= registered:
         return [x]
+    substitutes = () if split else _FALLBACKS.get(operation.name, ())
     if substitutes and all(frozenset(s.targets) <= registered for s in substitutes):
-        what = f"{name}: no fused kernel for platform {platform!r}, so it runs as the separate post and pre kernels"
+        what = f"{name}: no fused kernel for platform {label}, so it runs as the separate post and pre kernels"
         if fallback == "error":
             raise NotImplementedError(
                 f"{what}, which fallback='error' refuses. Pass fallback='allow' (or 'warn') to run them, "
                 "or use_kernel=False for the plain JAX formulas."
             )
-        if fallback == "warn" and (name, platform) not in _warned:
-            _warned.add((name, platform))
+        if fallback == "warn" and (name, label) not in _warned:
+            _warned.add((name, label))
             warnings.warn(
                 f"{what} (same results; x_next goes through memory). Pass fallback='allow' to run this "
                 "without the warning, or fallback='error' to raise instead. Warned once per process.",
@@ -494,9 +620,15 @@ def _check_platform_lowering(ctx, x, *, operation: Operation, fallback: str, pla
         # platform_dependent branch for the others, which JAX still lowers for every platform;
         # if it is reached on this one, XLA refuses the kernel's custom call when it compiles.
         return [x]
-    have = sorted(p for p in ("cpu", "cuda") if own <= registered_targets(p))
+    have = ", ".join(p for p in _KERNEL_PLATFORMS if needed <= registered_targets(p)) or "none"
+    if split:
+        raise NotImplementedError(
+            f"{name}: D (x's last axis) is split over devices (tensor parallelism), and mhc has no kernels "
+            f"for that split form on platform {label} (they run on: {have}). Shard only the tokens (keep D "
+            "whole on each device), or pass use_kernel=False to run the plain JAX formulas (mhc.jax.reference)."
+        )
     raise NotImplementedError(
-        f"{name}: mhc has no kernel for platform {platform!r} (its kernels run on: {', '.join(have)}). "
+        f"{name}: mhc has no kernel for platform {label} (its kernels run on: {have}). "
         "Pass use_kernel=False to run the plain JAX formulas (mhc.jax.reference) instead."
     )
 
@@ -514,9 +646,15 @@ for _platform in _NAMED_PLATFORMS:
     )
 
 
+def _split_form(operation: Operation, x):
+    """x, after the check that the lowering platform has ``operation``'s D-split form (made in the
+    per-device function, where the partitioning has chosen the split)."""
+    return _check_platform_p.bind(x, operation=operation, fallback="error", split=True)
+
+
 @functools.cache
-def _check_platform_jitted(operation: Operation, fallback: str):
-    return jax.jit(functools.partial(_check_platform_p.bind, operation=operation, fallback=fallback))
+def _check_platform_jitted(operation: Operation, fallback: str, split: bool):
+    return jax.jit(functools.partial(_check_platform_p.bind, operation=operation, fallback=fallback, split=split))
 
 
 # Bound outside jit (vmap of an eager call): lowered for the operand's platform all the same.
@@ -536,7 +674,7 @@ def _apply(
     operation's per-device function instead (``_run_manual``)."""
     operands = list(operands)
     primary = operands[operation.primary]
-    operands[operation.primary] = _check_platform_p.bind(primary, operation=operation, fallback=fallback)
+    operands[operation.primary] = _check_platform_p.bind(primary, operation=operation, fallback=fallback, split=False)
     if tensor_axis is not None or any(jax.typeof(a).mat.varying for a in operands):
         return _run_manual(operation, config, lead, tensor_axis, *operands)
     return apply(operation, config, lead, *operands)

@@ -94,10 +94,12 @@ def whole(lead: int) -> Plan:
 @dataclasses.dataclass(frozen=True)
 class Operation:
     """One partitioned operation. ``local(config, plan, *operands)`` runs on each device's shards
-    and returns the tuple of results; ``targets`` are the FFI targets it may call."""
+    and returns the tuple of results; ``targets`` are the kernels (FFI target names) it calls with
+    D whole on each device, ``split_targets`` those it calls with D split (tensor parallelism)."""
 
     name: str
     targets: tuple
+    split_targets: tuple
     operands: tuple
     results: tuple
     local: Callable = dataclasses.field(compare=False)

@@ -1,0 +1,44 @@
+"""For tests only: run mhc.jax's TPU dispatch on a machine without a TPU.
+
+``interpret_on_cpu()`` is a context manager under which the CPU lowering dispatches exactly as a
+TPU's would: every operation called with ``use_kernel=True`` runs the kernel mhc.tpu.KERNELS has
+for it in Pallas's interpreter, and an operation without a TPU kernel raises the TPU's
+NotImplementedError at lowering instead of running the CPU kernels. It is off unless entered, and
+it is not a way to run anything on a TPU or to speed up a CPU: the interpreter is orders of
+magnitude slower than the CPU kernels. It checks, without a TPU, that the dispatch, the custom
+VJPs and the partitioning rules drive the TPU kernels correctly; speed and hardware numerics stay
+unverified.
+
+The interpreter is Pallas's plain one (``interpret=True``: the kernels' grid, BlockSpecs and TPU
+primitives, as ordinary XLA operations), not ``pltpu.InterpretParams``: the dispatch runs every
+kernel inside a custom_partitioning call, whose lowering cannot carry the ordered host callbacks
+of that mode. So the checks the plain interpreter lacks (race detection, out-of-bounds blocks,
+NaN-filled uninitialized memory) are made per kernel in tests/python/test_tpu_kernels.py.
+
+Entering and leaving it clears JAX's compilation caches (jax.clear_caches), so that no function
+compiled outside it runs inside it, nor the reverse. It is one process-wide setting (XLA calls the
+partitioning rules back while it compiles, outside any thread-local context): do not enter it in
+one thread while another compiles mhc code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+
+from mhc.jax import _kernels
+
+
+@contextlib.contextmanager
+def interpret_on_cpu():
+    """Test only: the CPU lowering runs the TPU kernels in Pallas's interpreter (module docstring)."""
+    if _kernels._interpret_on_cpu is not None:
+        raise RuntimeError("interpret_on_cpu: already on (it does not nest)")
+    jax.clear_caches()
+    _kernels._set_interpret_on_cpu(True)
+    try:
+        yield
+    finally:
+        _kernels._set_interpret_on_cpu(None)
+        jax.clear_caches()
