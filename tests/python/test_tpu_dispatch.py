@@ -1,0 +1,261 @@
+"""mhc.jax, mhc.flax and mhc.models on the TPU path, without a TPU: under the test switch
+mhc.tpu.testing.interpret_on_cpu the CPU lowering dispatches as a TPU would (mhc.tpu.KERNELS in
+Pallas's interpreter, the TPU's error for what has no kernel), through the same custom VJPs and
+partitioning rules. Each result must equal the CPU kernels' within the spec's bounds.
+
+What the TPU backend has is read from its table (mhc.tpu.KERNELS), never listed here: a test of
+an operation whose TPU kernel does not exist yet asserts the mhc NotImplementedError instead, and
+checks the values the day the kernel lands.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mhc.jax as mj
+import mhc.tpu
+from conftest import random_params, relative_error, sublayer_values
+from mhc.flax import ManifoldConstrainedHyperConnections
+from mhc.jax import _kernels
+from mhc.models import ModelConfig, Transformer
+from mhc.tpu.testing import interpret_on_cpu
+
+# (n, D, T, mix, dtype): D = 130 pads to 256 lanes, T = 37 is one ragged token tile.
+CASES = [(4, 130, 37, "sinkhorn", jnp.float32), (3, 1, 5, "permutations", jnp.bfloat16)]
+
+
+def _tolerance(dtype) -> float:
+    return 1e-2 if dtype == jnp.bfloat16 else 1e-5  # spec: Accuracy
+
+
+def _tpu_has(*targets) -> bool:
+    """Whether the TPU backend's table has these kernels (read directly, not through the dispatch)."""
+    return set(targets) <= set(mhc.tpu.KERNELS)
+
+
+def _no_tpu_kernel(operation: str):
+    return pytest.raises(NotImplementedError, match=rf"mhc\.jax\.{operation}: mhc has no kernel for platform 'tpu'")
+
+
+def _case_id(case):
+    return "-".join(str(getattr(v, "__name__", v)) for v in case)
+
+
+def _inputs(seed, case):
+    n, d, t, mix, dtype = case
+    config = mj.Config(n=n, mix=mix, sinkhorn_iters=7, pre_eps=0.1, post_scale=1.3)
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (t, n, d)).astype(dtype)
+    layer_out = jax.random.normal(keys[1], (t, d)).astype(dtype)
+    cotangents = (jax.random.normal(keys[2], (t, d)).astype(dtype), jax.random.normal(keys[3], (t, n, d)).astype(dtype))
+    return config, x, layer_out, random_params(keys[4], config, d), cotangents
+
+
+def _assert_close(got: dict, want: dict, dtype, context: str):
+    for name in want:
+        tolerance = _tolerance(got[name].dtype if got[name].dtype == jnp.bfloat16 else dtype)
+        error = relative_error(got[name], want[name])
+        assert error <= tolerance, f"{name}: relative error {error:.3g} > {tolerance} {context}"
+
+
+def test_the_switch_is_off_unless_entered():
+    assert _kernels._interpret_on_cpu is None
+    with interpret_on_cpu():
+        assert _kernels._interpret_on_cpu is not None
+        with pytest.raises(RuntimeError, match="does not nest"), interpret_on_cpu():
+            pass
+    assert _kernels._interpret_on_cpu is None
+    with pytest.raises(KeyError), interpret_on_cpu():
+        raise KeyError("an error inside")
+    assert _kernels._interpret_on_cpu is None
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_pre_and_post_match_the_cpu_kernels(seed, case):
+    config, x, layer_out, params, cotangents = _inputs(seed, case)
+    context = f"(seed {seed}, {_case_id(case)})"
+
+    def forward(x, layer_out, params):
+        layer_in, ctx = mj.pre(x, params, config)
+        return layer_in, mj.post(layer_out, ctx)
+
+    def post_only(layer_out):  # gradient wrt layer_out: post's backward alone
+        return jax.vjp(lambda lo: forward(x, lo, params)[1], layer_out)[1](cotangents[1])[0]
+
+    want_forward, want_dlayer_out = jax.jit(forward)(x, layer_out, params), jax.jit(post_only)(layer_out)
+    want = sublayer_values(x, layer_out, params, config, cotangents) if _tpu_has("mhc_pre_backward") else None
+    assert "@mhc_pre_forward" in jax.jit(forward).lower(x, layer_out, params).as_text()
+    with interpret_on_cpu():
+        # Everything on the TPU path: not one custom call of the CPU kernels.
+        assert "@mhc_" not in jax.jit(forward).lower(x, layer_out, params).as_text()
+        got_forward = jax.jit(forward)(x, layer_out, params)
+        names = ("layer_in", "out")
+        got = dict(zip(names, got_forward, strict=True))
+        _assert_close(got, dict(zip(names, want_forward, strict=True)), case[4], context)
+        _assert_close({"dlayer_out": jax.jit(post_only)(layer_out)}, {"dlayer_out": want_dlayer_out}, case[4], context)
+        if want is None:
+            with _no_tpu_kernel("pre"):
+                sublayer_values(x, layer_out, params, config, cotangents)
+        else:
+            _assert_close(sublayer_values(x, layer_out, params, config, cotangents), want, case[4], context)
+
+
+def test_a_function_compiled_outside_runs_the_tpu_kernels_inside(monkeypatch):
+    """The switch clears JAX's caches: a jitted function compiled before it is traced again, and
+    reaches the TPU kernel (here one that adds 1, to tell which ran); after it, the CPU's again."""
+    _, x, layer_out, params, _ = _inputs(0, CASES[0])
+    h_post, h_res = jnp.ones(x.shape[:2]), jnp.ones(x.shape[:2] + x.shape[1:2])
+    post = jax.jit(lambda x, lo: mj.post(lo, mj.Context(x, h_post, h_res, mj.Config(n=x.shape[1]), True)))
+    before = post(x, layer_out)
+    kernel = mhc.tpu.KERNELS["mhc_post_forward"]
+    monkeypatch.setitem(mhc.tpu.KERNELS, "mhc_post_forward", lambda *a, **k: kernel(*a, **k) + 1)
+    with interpret_on_cpu():
+        inside = post(x, layer_out)
+    np.testing.assert_allclose(inside, before + 1, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(post(x, layer_out), before)
+
+
+def test_an_operation_the_table_lacks_raises_the_tpu_error(monkeypatch):
+    """Without its KERNELS entry (as before a kernel lands), an operation raises the mhc error on
+    the TPU path, at lowering, whatever else runs; it never runs the CPU kernel instead."""
+    config, x, _, params, _ = _inputs(0, CASES[0])
+    monkeypatch.delitem(mhc.tpu.KERNELS, "mhc_pre_backward", raising=False)
+    gradient = jax.jit(jax.grad(lambda x, params: jnp.sum(mj.pre(x, params, config)[0])))
+    with interpret_on_cpu():
+        jax.jit(lambda x, params: mj.pre(x, params, config)[0])(x, params)  # the forward has its kernel
+        with _no_tpu_kernel("pre"):
+            gradient(x, params)
+    with _no_tpu_kernel("pre"):
+        jax.export.export(gradient, platforms=["tpu"])(x, params)
+
+
+def _chain(config, sublayers: int, fallback: str):
+    def run(x, layers):
+        state = x
+        for params in layers:
+            state = mj.sublayer(state, params, config, jnp.tanh, fallback=fallback)
+        return mj.finish(state)
+
+    return run
+
+
+def _chain_problem(seed, sublayers=3):
+    config, x, _, _, _ = _inputs(seed, CASES[0])
+    keys = jax.random.split(jax.random.key(seed + 1), sublayers + 1)
+    layers = [random_params(k, config, x.shape[-1]) for k in keys[:-1]]
+    w = jax.random.normal(keys[-1], x.shape)
+    return config, x, layers, w
+
+
+def test_the_chain_matches_the_cpu_kernels(seed):
+    """sublayer/finish over three sublayers (two boundaries): the streams, and the gradients wrt x
+    and every layer's parameters (the sublayers' outputs, layer_out, carry them)."""
+    config, x, layers, w = _chain_problem(seed)
+    fused = _tpu_has("mhc_boundary_forward", "mhc_boundary_backward")
+    run = _chain(config, len(layers), "error" if fused else "allow")
+
+    def gradient(x, layers):
+        return jax.grad(lambda x, layers: jnp.sum(run(x, layers) * w), argnums=(0, 1))(x, layers)
+
+    want, want_grads = jax.jit(run)(x, layers), jax.jit(gradient)(x, layers)
+    context = f"(seed {seed})"
+    with interpret_on_cpu():
+        _assert_close({"out": jax.jit(run)(x, layers)}, {"out": want}, jnp.float32, context)
+        backward = ("mhc_boundary_backward",) if fused else ("mhc_pre_backward", "mhc_post_backward")
+        if not _tpu_has("mhc_pre_backward", *backward):
+            with pytest.raises(NotImplementedError, match=r"mhc\.jax\.(pre|boundary): .*'tpu'"):
+                jax.jit(gradient)(x, layers)
+            return
+        got_grads = jax.jit(gradient)(x, layers)
+    flat = lambda grads: {str(i): g for i, g in enumerate(jax.tree.leaves(grads))}  # noqa: E731
+    _assert_close(flat(got_grads), flat(want_grads), jnp.float32, context)
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+def test_the_boundary_without_a_fused_tpu_kernel_runs_post_then_pre():
+    """As on a GPU: fused where KERNELS has the boundary, else the post and pre kernels (warned
+    once), or the error that fallback='error' asks for."""
+    config, x, layers, _ = _chain_problem(0, sublayers=2)
+    want = jax.jit(_chain(config, 2, "allow"))(x, layers)
+    with interpret_on_cpu(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if _tpu_has("mhc_boundary_forward"):
+            got = jax.jit(_chain(config, 2, "error"))(x, layers)
+            assert not [w for w in caught if "mhc" in str(w.message)]
+        else:
+            with pytest.raises(NotImplementedError, match=r"mhc\.jax\.boundary: no fused kernel for platform 'tpu'"):
+                jax.jit(_chain(config, 2, "error"))(x, layers)
+            got = jax.jit(_chain(config, 2, "warn"))(x, layers)
+            messages = [str(w.message) for w in caught if "mhc" in str(w.message)]
+            assert len(messages) == 1 and "separate post and pre kernels" in messages[0], messages
+    _assert_close({"out": got}, {"out": want}, jnp.float32, "")
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(_kernels, "_warned", set())
+
+
+def test_the_flax_layer_matches_the_cpu_kernels(seed):
+    config, d = mj.Config(n=4, sinkhorn_iters=5, pre_eps=0.1, post_scale=1.3), 24
+    layer = ManifoldConstrainedHyperConnections(config, d, rngs=nnx.Rngs(seed))
+    layer.alpha[...] = jnp.array([0.9, -1.1, 1.3])  # non-trivial coefficients
+    layer.bias[...] = jax.random.normal(jax.random.key(seed + 7), layer.bias[...].shape)
+    x = jax.random.normal(jax.random.key(seed + 1), (2, 5, 4, d))
+    w = jax.random.normal(jax.random.key(seed + 2), x.shape)
+
+    def forward(layer, x):
+        return layer(lambda h: h, jnp.tanh, x)
+
+    def grads(layer, x):
+        return nnx.grad(lambda layer, x: jnp.sum(forward(layer, x) * w), argnums=(0, 1))(layer, x)
+
+    def leaves(grads):
+        return {str(i): g for i, g in enumerate(jax.tree.leaves(nnx.state(grads[0]))) if hasattr(g, "dtype")} | {
+            "dx": grads[1]
+        }
+
+    want, want_grads = nnx.jit(forward)(layer, x), leaves(nnx.jit(grads)(layer, x))
+    with interpret_on_cpu():
+        _assert_close({"out": nnx.jit(forward)(layer, x)}, {"out": want}, jnp.float32, f"(seed {seed})")
+        if not _tpu_has("mhc_pre_backward"):
+            with _no_tpu_kernel("pre"):
+                nnx.jit(grads)(layer, x)
+            return
+        got_grads = leaves(nnx.jit(grads)(layer, x))
+    _assert_close(got_grads, want_grads, jnp.float32, f"(seed {seed})")
+
+
+def test_a_tiny_transformer_forward_matches_the_cpu_kernels(seed):
+    """mhc.models: fused boundaries (or their fallback) and V4's head where the TPU has it; the
+    summed streams otherwise, the head then raising the mhc error."""
+    has_head = _tpu_has("mhc_head_forward")
+    config = ModelConfig(vocab=32, width=16, layers=1, heads=2, n=4, collapse="head" if has_head else "sum")
+    model = Transformer(config, rngs=nnx.Rngs(seed))
+    tokens = jax.random.randint(jax.random.key(seed), (2, 7), 0, config.vocab)
+    want = nnx.jit(lambda m, t: m(t))(model, tokens)
+    with interpret_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the boundary's fallback warning, tested above
+        got = nnx.jit(lambda m, t: m(t))(model, tokens)
+        if not has_head:
+            head = mj.init_head_params(jax.random.key(seed), config.mhc_config(), config.width)
+            with _no_tpu_kernel("head"):
+                jax.jit(lambda x, p: mj.head(x, p, config.mhc_config()))(jnp.ones((2, 7, 4, 16)), head)
+    _assert_close({"logits": got}, {"logits": want}, jnp.float32, f"(seed {seed})")
+
+
+def test_tokens_sharded_over_two_devices(seed):
+    """Plain jax.jit on arrays sharded over two CPU devices, on the TPU path (tpu_dispatch_cases.py,
+    in a subprocess: the device count is fixed when JAX starts)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    script = os.path.join(os.path.dirname(__file__), "tpu_dispatch_cases.py")
+    result = subprocess.run([sys.executable, script, str(seed)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"seed {seed}\n{result.stdout}\n{result.stderr[-4000:]}"
+    assert result.stdout.count("ok:") == 4, result.stdout
