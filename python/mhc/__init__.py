@@ -3,8 +3,11 @@
 Submodules: ``mhc.jax`` (functional API, custom VJP over the C++ kernels, plain-JAX reference),
 ``mhc.flax`` (a Flax NNX layer), ``mhc.bench`` (``python -m mhc.bench``).
 
-``set_num_threads(k)`` / ``num_threads()``: the CPU kernels' thread pool (its own, not XLA's;
-``MHC_NUM_THREADS`` sets the default, else every hardware thread; ``k < 1`` restores it).
+``set_num_threads(k)`` / ``num_threads()``: at most k threads per CPU kernel call
+(``MHC_NUM_THREADS`` sets the default, else every hardware thread; ``k < 1`` restores it). Inside
+JAX the helper threads are XLA's own intra-op threads, lent to each call, so mhc starts no
+threads of its own there (and uses at most as many as XLA's pool has); the C++ API runs on mhc's
+pool, whose workers spin at most 50 us (``MHC_SPIN_US``) after a job before they sleep.
 
 ``tune_allocator()``: an explicit, process-wide opt-in that makes large CPU buffers cheaper to
 allocate; importing mhc changes nothing in the process's allocator.

@@ -2,11 +2,15 @@
 // Results never depend on which worker ran a task; kernels make sure of that by giving every
 // task its own output range and reducing partials in task order.
 //
-// Waking a sleeping worker through the condition variable took about 15 us here, as long as a
-// whole decode-sized operation, so a worker that finished a job spins for a short while
-// (kSpinMicroseconds) watching for the next one before it sleeps, and the caller spins likewise
-// while the last workers finish. Back-to-back calls, and the phases of one call, then cost no
-// wake-up; an idle pool sleeps.
+// Whose threads: inside XLA (the FFI handlers) the helpers are XLA's own intra-op threads, lent
+// through a ScopedExecutor, so mhc adds no threads of its own to a JAX process; the C++ API runs
+// on the pool's workers, started at the first call that needs them.
+//
+// Spinning, bounded: waking a sleeping worker through the condition variable took about 15 us
+// here, as long as a whole decode-sized operation, so a worker that finished a job spins for 50
+// us (MHC_SPIN_US sets 0 to 10000) watching for the next one before it sleeps, and a caller spins
+// as long for its helpers to finish before it sleeps. Back-to-back calls, and the phases of one
+// call, then cost no wake-up; an idle pool sleeps and costs no CPU.
 #pragma once
 
 #include <atomic>
@@ -18,6 +22,31 @@
 #include <vector>
 
 namespace mhc::cpu {
+
+// Somewhere else to run a parallel_for's helper tasks: the XLA FFI handlers lend XLA's intra-op
+// thread pool for the length of one call (src/ffi/cpu_handlers.cc). A scheduled task may run
+// late, inline in schedule() or not before the call is done: parallel_for never waits for a task
+// to start, only for its tasks' work, which the caller also takes from the shared counter.
+class Executor {
+ public:
+  virtual ~Executor() = default;
+  // Threads that run scheduled tasks (the caller may be one of them).
+  virtual int threads() const = 0;
+  virtual void schedule(std::function<void()> task) const = 0;
+};
+
+// While one lives, parallel_for calls made on its thread run their helpers on `executor` instead
+// of the pool's own workers (nullptr: the pool's). Restores the previous choice when it ends.
+class ScopedExecutor {
+ public:
+  explicit ScopedExecutor(const Executor* executor);
+  ~ScopedExecutor();
+  ScopedExecutor(const ScopedExecutor&) = delete;
+  ScopedExecutor& operator=(const ScopedExecutor&) = delete;
+
+ private:
+  const Executor* previous_;
+};
 
 class ThreadPool {
  public:
@@ -31,13 +60,15 @@ class ThreadPool {
   int threads();
 
   // Runs body(task, worker) for every task in [0, count), with 0 <= worker < max_workers, and
-  // returns when all are done. If another call holds the pool, runs everything on this thread.
-  // body must not throw.
+  // returns when all are done. If another call holds the pool, or from inside a task, runs
+  // everything on this thread. Under a ScopedExecutor the helpers run on its executor, at most
+  // threads() workers in all either way. body must not throw.
   void parallel_for(int64_t count, int max_workers, const Body& body);
 
  private:
+  void run_on(const Executor& executor, int64_t count, int helpers, const Body& body);
   ThreadPool();
-  void start(int threads);
+  void start();  // threads_ - 1 workers; call_mutex_ held
   void stop();
   void worker_loop(int worker, uint64_t seen);
   void run_tasks(int worker);
@@ -47,7 +78,7 @@ class ThreadPool {
   std::condition_variable wake_;
   std::condition_variable done_;
   std::vector<std::thread> workers_;
-  int threads_ = 1;
+  int threads_ = 1;                      // workers_ holds threads_ - 1 once started, none before
   std::atomic<uint64_t> generation_{0};  // written under state_mutex_, read while spinning
   bool stopping_ = false;
   int participants_ = 0;        // workers (besides the caller) taking part in the current job

@@ -8,6 +8,11 @@
 #include <malloc.h>
 #endif
 
+#include <atomic>
+#include <functional>
+#include <utility>
+
+#include "../cpu/thread_pool.h"
 #include "handler_common.h"
 #include "mhc/ops.h"
 #include "mhc/roofline.h"
@@ -21,12 +26,41 @@ using mhc_ffi::out;
 
 namespace {
 
-ffi::Error PreForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-                          ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+// XLA's intra-op thread pool as the executor of mhc's parallel_for (src/cpu/thread_pool.h).
+class XlaPool final : public mhc::cpu::Executor {
+ public:
+  explicit XlaPool(ffi::ThreadPool& pool) : pool_(pool), threads_(pool.num_threads()) {}
+  int threads() const override { return static_cast<int>(threads_); }
+  void schedule(std::function<void()> task) const override { pool_.Schedule(std::move(task)); }
+
+ private:
+  ffi::ThreadPool& pool_;
+  int64_t threads_;
+};
+
+// Whether the kernels' helper threads come from XLA's intra-op pool (the default) or from mhc's
+// own pool. Inside jitted steps (2026-12-02, 2 cores shared with other work) XLA's pool was as
+// fast or faster and used less CPU (decode-sized chains 1.2-1.8x), and it adds no threads that
+// compete with XLA's; results are the same bits either way. use_xla_thread_pool(False) stays for
+// measuring the difference (docs/performance.md).
+std::atomic<bool> run_on_xla_pool{true};
+
+// guarded (handler_common.h), with the kernels' helper threads taken from XLA's pool when
+// run_on_xla_pool is set, else from mhc's own; at most mhc::num_threads() threads either way.
+template <class Body>
+ffi::Error guarded_on(ffi::ThreadPool& pool, Body body) {
+  if (!run_on_xla_pool.load(std::memory_order_relaxed)) return guarded(std::move(body));
+  const XlaPool executor(pool);
+  const mhc::cpu::ScopedExecutor scope(&executor);
+  return guarded(std::move(body));
+}
+
+ffi::Error PreForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer norm_weight,
+                          ffi::AnyBuffer phi, ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
                           ffi::Result<ffi::AnyBuffer> layer_in, ffi::Result<ffi::AnyBuffer> h_pre,
                           ffi::Result<ffi::AnyBuffer> h_post, ffi::Result<ffi::AnyBuffer> h_res,
                           MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_forward(
         make_config(xv, MHC_CONFIG_ARGS), xv,
@@ -36,23 +70,23 @@ ffi::Error PreForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::Any
   });
 }
 
-ffi::Error PostForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post,
-                           ffi::AnyBuffer h_res, ffi::Result<ffi::AnyBuffer> result,
-                           MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+ffi::Error PostForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer layer_out,
+                           ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
+                           ffi::Result<ffi::AnyBuffer> result, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::post_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
                       in(h_post, "h_post"), in(h_res, "h_res"), out(result, "out"));
   });
 }
 
-ffi::Error PostBackwardImpl(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::AnyBuffer layer_out,
-                            ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
+ffi::Error PostBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer x,
+                            ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
                             ffi::Result<ffi::AnyBuffer> dx_partial,
                             ffi::Result<ffi::AnyBuffer> dlayer_out,
                             ffi::Result<ffi::AnyBuffer> dh_post, ffi::Result<ffi::AnyBuffer> dh_res,
                             MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::post_backward(make_config(xv, MHC_CONFIG_ARGS), in(g, "g"), xv, in(layer_out, "layer_out"),
                        in(h_post, "h_post"), in(h_res, "h_res"),
@@ -61,14 +95,14 @@ ffi::Error PostBackwardImpl(ffi::AnyBuffer g, ffi::AnyBuffer x, ffi::AnyBuffer l
   });
 }
 
-ffi::Error PreBackwardImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
-                           ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
-                           ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-                           ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx,
-                           ffi::Result<ffi::AnyBuffer> dnorm_weight,
+ffi::Error PreBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in,
+                           ffi::AnyBuffer dx_partial, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res,
+                           ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+                           ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dnorm_weight,
                            ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
                            ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_backward(
         make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
@@ -80,21 +114,23 @@ ffi::Error PreBackwardImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
   });
 }
 
-ffi::Error PreForwardPartialsImpl(ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+ffi::Error PreForwardPartialsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
                                   ffi::Result<ffi::AnyBuffer> partials, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_forward_partials(make_config(xv, MHC_CONFIG_ARGS), xv, in(norm_weight, "norm_weight"),
                               in(phi, "phi"), out(partials, "partials"));
   });
 }
 
-ffi::Error PreForwardFinishImpl(ffi::AnyBuffer x, ffi::AnyBuffer partials, ffi::AnyBuffer alpha,
-                                ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> layer_in,
+ffi::Error PreForwardFinishImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer partials,
+                                ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+                                ffi::Result<ffi::AnyBuffer> layer_in,
                                 ffi::Result<ffi::AnyBuffer> h_pre,
                                 ffi::Result<ffi::AnyBuffer> h_post,
                                 ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_forward_finish(make_config(xv, MHC_CONFIG_ARGS), xv, in(partials, "partials"),
                             in(alpha, "alpha"), in(bias, "bias"),
@@ -103,9 +139,9 @@ ffi::Error PreForwardFinishImpl(ffi::AnyBuffer x, ffi::AnyBuffer partials, ffi::
   });
 }
 
-ffi::Error PreBackwardPartialsImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
+ffi::Error PreBackwardPartialsImpl(ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
                                    ffi::Result<ffi::AnyBuffer> dh_pre, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_backward_partials(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), xv,
                                out(dh_pre, "dh_pre"));
@@ -113,13 +149,13 @@ ffi::Error PreBackwardPartialsImpl(ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
 }
 
 ffi::Error PreBackwardFinishImpl(
-    ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial, ffi::AnyBuffer dh_pre,
-    ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x, ffi::AnyBuffer partials,
-    ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-    ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dnorm_weight,
+    ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
+    ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
+    ffi::AnyBuffer partials, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
+    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dnorm_weight,
     ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
     ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_backward_finish(
         make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
@@ -132,15 +168,15 @@ ffi::Error PreBackwardFinishImpl(
   });
 }
 
-ffi::Error BoundaryForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post,
-                               ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-                               ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-                               ffi::Result<ffi::AnyBuffer> x_next,
+ffi::Error BoundaryForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer layer_out,
+                               ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
+                               ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
+                               ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> x_next,
                                ffi::Result<ffi::AnyBuffer> layer_in,
                                ffi::Result<ffi::AnyBuffer> h_pre,
                                ffi::Result<ffi::AnyBuffer> next_h_post,
                                ffi::Result<ffi::AnyBuffer> next_h_res, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::boundary_forward(
         make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"), in(h_post, "h_post"),
@@ -153,15 +189,15 @@ ffi::Error BoundaryForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::
 }
 
 ffi::Error BoundaryBackwardImpl(
-    ffi::AnyBuffer next_dlayer_in, ffi::AnyBuffer next_dx_partial, ffi::AnyBuffer next_dh_post,
-    ffi::AnyBuffer next_dh_res, ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post,
-    ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx_partial,
-    ffi::Result<ffi::AnyBuffer> dlayer_out, ffi::Result<ffi::AnyBuffer> dh_post,
-    ffi::Result<ffi::AnyBuffer> dh_res, ffi::Result<ffi::AnyBuffer> dnorm_weight,
-    ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
-    ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+    ffi::ThreadPool pool, ffi::AnyBuffer next_dlayer_in, ffi::AnyBuffer next_dx_partial,
+    ffi::AnyBuffer next_dh_post, ffi::AnyBuffer next_dh_res, ffi::AnyBuffer x,
+    ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
+    ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+    ffi::Result<ffi::AnyBuffer> dx_partial, ffi::Result<ffi::AnyBuffer> dlayer_out,
+    ffi::Result<ffi::AnyBuffer> dh_post, ffi::Result<ffi::AnyBuffer> dh_res,
+    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
+    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::boundary_backward(
         make_config(xv, MHC_CONFIG_ARGS), in(next_dlayer_in, "next_dlayer_in"),
@@ -176,10 +212,11 @@ ffi::Error BoundaryBackwardImpl(
   });
 }
 
-ffi::Error HeadForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer fn, ffi::AnyBuffer base,
-                           ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> result,
-                           ffi::Result<ffi::AnyBuffer> gates, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+ffi::Error HeadForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer fn,
+                           ffi::AnyBuffer base, ffi::AnyBuffer scale,
+                           ffi::Result<ffi::AnyBuffer> result, ffi::Result<ffi::AnyBuffer> gates,
+                           MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::head_forward(make_config(xv, MHC_CONFIG_ARGS), xv,
                       {in(fn, "fn"), in(base, "base"), in(scale, "scale")}, out(result, "out"),
@@ -187,12 +224,12 @@ ffi::Error HeadForwardImpl(ffi::AnyBuffer x, ffi::AnyBuffer fn, ffi::AnyBuffer b
   });
 }
 
-ffi::Error HeadBackwardImpl(ffi::AnyBuffer dout, ffi::AnyBuffer x, ffi::AnyBuffer fn,
-                            ffi::AnyBuffer base, ffi::AnyBuffer scale,
+ffi::Error HeadBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer x,
+                            ffi::AnyBuffer fn, ffi::AnyBuffer base, ffi::AnyBuffer scale,
                             ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dfn,
                             ffi::Result<ffi::AnyBuffer> dbase, ffi::Result<ffi::AnyBuffer> dscale,
                             MHC_CONFIG_PARAMS) {
-  return guarded([&] {
+  return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
     mhc::head_backward(make_config(xv, MHC_CONFIG_ARGS), in(dout, "dout"), xv,
                        {in(fn, "fn"), in(base, "base"), in(scale, "scale")}, out(dx, "dx"),
@@ -204,53 +241,53 @@ ffi::Error HeadBackwardImpl(ffi::AnyBuffer dout, ffi::AnyBuffer x, ffi::AnyBuffe
 
 // x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForward, PreForwardImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind())));
+                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 // x, layer_out, h_post, h_res -> out
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostForward, PostForwardImpl,
-                              (handler_binding<4, 1>(ffi::Ffi::Bind())));
+                              (handler_binding<4, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 // g, x, layer_out, h_post, h_res -> dx_partial, dlayer_out, dh_post, dh_res
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostBackward, PostBackwardImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind())));
+                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 // dlayer_in, dx_partial, dh_post, dh_res, x, norm_weight, phi, alpha, bias
 //   -> dx, dnorm_weight, dphi, dalpha, dbias
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackward, PreBackwardImpl,
-                              (handler_binding<9, 5>(ffi::Ffi::Bind())));
+                              (handler_binding<9, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 // The fused boundary (mhc/ops.h), the next sublayer's parameters last:
 // x, layer_out, h_post, h_res, norm_weight, phi, alpha, bias
 //   -> x_next, layer_in, h_pre, next h_post, next h_res
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryForward, BoundaryForwardImpl,
-                              (handler_binding<8, 5>(ffi::Ffi::Bind())));
+                              (handler_binding<8, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 // next dlayer_in, next dx_partial, next dh_post, next dh_res, x, layer_out, h_post, h_res,
 // norm_weight, phi, alpha, bias
 //   -> dx_partial, dlayer_out, dh_post, dh_res, dnorm_weight, dphi, dalpha, dbias
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryBackward, BoundaryBackwardImpl,
-                              (handler_binding<12, 8>(ffi::Ffi::Bind())));
+                              (handler_binding<12, 8>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 // DeepSeek-V4's head: x, fn, base, scale -> out, gates
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcHeadForward, HeadForwardImpl,
-                              (handler_binding<4, 2>(ffi::Ffi::Bind())));
+                              (handler_binding<4, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 // dout, x, fn, base, scale -> dx, dfn, dbase, dscale
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcHeadBackward, HeadBackwardImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind())));
+                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 // Tensor-parallel split (D sliced across devices; mhc/ops.h):
 // x, norm_weight, phi -> partials
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardPartials, PreForwardPartialsImpl,
-                              (handler_binding<3, 1>(ffi::Ffi::Bind())));
+                              (handler_binding<3, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 // x, partials, alpha, bias -> layer_in, h_pre, h_post, h_res
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardFinish, PreForwardFinishImpl,
-                              (handler_binding<4, 4>(ffi::Ffi::Bind())));
+                              (handler_binding<4, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 // dlayer_in, x -> dh_pre
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardPartials, PreBackwardPartialsImpl,
-                              (handler_binding<2, 1>(ffi::Ffi::Bind())));
+                              (handler_binding<2, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 // dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, norm_weight, phi, alpha, bias
 //   -> dx, dnorm_weight, dphi, dalpha, dbias
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardFinish, PreBackwardFinishImpl,
-                              (handler_binding<11, 5>(ffi::Ffi::Bind())));
+                              (handler_binding<11, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 // The one registration table: target name -> handler. Python registers every entry.
 NB_MODULE(_mhc_cpu, module) {
@@ -294,6 +331,9 @@ NB_MODULE(_mhc_cpu, module) {
   // The library's thread count and the roofline ceilings, for mhc.bench and users' own timing.
   module.def("set_num_threads", &mhc::set_num_threads, nanobind::arg("threads"));
   module.def("num_threads", &mhc::num_threads);
+  module.def(
+      "use_xla_thread_pool", [](bool on) { run_on_xla_pool.store(on); }, nanobind::arg("on"));
+  module.def("uses_xla_thread_pool", [] { return run_on_xla_pool.load(); });
   module.def("copy_bandwidth_gbs", &mhc::copy_bandwidth_gbs,
              nanobind::arg("bytes") = int64_t{256} << 20, nanobind::arg("threads") = 0,
              nanobind::arg("repeats") = 5);
