@@ -80,6 +80,7 @@ TEST_F(WorkspaceCache, IdleMemoryStaysWithinTheBound) {
   constexpr int kThreads = 4;
   const size_t each = kMaxIdleBytes / 3;
   std::vector<std::thread> threads;
+  threads.reserve(kThreads);
   std::atomic<int> leased{0};
   for (int k = 0; k < kThreads; ++k) {
     threads.emplace_back([&] {
