@@ -29,8 +29,9 @@ def tune_allocator() -> bool:
     Why: XLA allocates every output afresh, and glibc maps each block over 32 MiB anew and frees
     it back to the system, so every call first-touches its large outputs page by page; that costs
     about as much as the post kernels themselves at T = 8192, D = 4096. The price: the heap keeps
-    its high-water mark, so the resident size after a peak stays at the peak. ``mhc.demo`` and
-    ``mhc.bench`` call it; a library importing mhc should leave the choice to the application.
+    its high-water mark, so the resident size after a peak stays at the peak. ``mhc.bench`` measures
+    with and without it; a program that owns its process may call it, a library importing mhc
+    should leave the choice to the application.
 
     Returns True where it applied (glibc), False elsewhere (nothing changed). Call it once, early;
     it cannot be undone within the process.
