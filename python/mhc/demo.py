@@ -6,6 +6,8 @@
     python -m mhc.demo --compare-paths       # the same mHC run on the kernels (with and without the
                                              # fused sublayer boundaries) and on plain JAX
     python -m mhc.demo --data my.txt --steps 2000 --residual mhc-lite --no-use-kernel
+    python -m mhc.demo --recompute auto      # mHC's streams recomputed in groups of sublayers in the
+                                             # backward (the paper's group size; or --recompute K)
 
 Writes metrics (JSON, CSV), loss curves and the Amax gain per depth (PNG), and samples text.
 """
@@ -17,6 +19,7 @@ import csv
 import dataclasses
 import json
 import multiprocessing
+import os
 import resource
 import sys
 import sysconfig
@@ -69,6 +72,7 @@ class RunSpec:
     progress: bool = True
     fuse_boundaries: bool = True  # each post fused with the next sublayer's pre (kernel path)
     collapse: str = "head"  # n streams -> one: DeepSeek-V4's learned head, or their sum
+    recompute: int | None = None  # mHC's streams kept only every this many sublayers (ModelConfig.recompute)
 
 
 def _batches(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator):
@@ -99,6 +103,7 @@ def train(spec: RunSpec) -> dict:
         use_kernel=spec.use_kernel,
         fuse_boundaries=spec.fuse_boundaries,
         collapse=spec.collapse,
+        recompute=spec.recompute,
     )
     model = Transformer(config, rngs=nnx.Rngs(spec.seed))
     optimizer = nnx.Optimizer(model, optax.adamw(spec.lr, weight_decay=0.01), wrt=nnx.Param)
@@ -388,6 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the same mHC run on the kernels, on the kernels without the fused boundaries, and on plain JAX",
     )
+    parser.add_argument(
+        "--recompute",
+        default=None,
+        metavar="K",
+        help="mHC (kernel path) keeps its streams for the backward only every K sublayers and recomputes "
+        "the others with its kernels ('auto': the mHC paper's K = sqrt(n L / (n + 2)), L the sublayers); "
+        "with --compare, for the mHC runs. Sets XLA's memory-minimizing CPU scheduler for this process",
+    )
     sized("--lr", float, "AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-every", type=int, default=50, help="steps between held-out losses")
@@ -398,6 +411,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="demo_output", help="output folder")
     parser.add_argument("--no-progress", action="store_true")
     return parser
+
+
+def _recompute(parser: argparse.ArgumentParser, args) -> int | None:
+    """--recompute as a group size (None without it); checks it fits the runs, and selects XLA's
+    memory-minimizing CPU scheduler (which recompute needs) for this process and the runs it starts."""
+    if args.recompute is None:
+        return None
+    if not (args.compare or args.residual in ("mhc", "mhc-lite")) or not args.use_kernel:
+        parser.error(
+            "--recompute rebuilds mHC's streams with its kernels: use --residual mhc or mhc-lite "
+            "(or --compare), with the kernels"
+        )
+    if args.recompute != "auto" and not (args.recompute.isdigit() and int(args.recompute) >= 1):
+        parser.error(f"--recompute: expected a group size K >= 1 (sublayers) or 'auto', got {args.recompute!r}")
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"  # mhc.jax.CPU_MEMORY_SCHEDULER_FLAG
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag not in flags:
+        # Read when XLA starts: in time for the runs (each --compare run is a new process; a single
+        # run imports JAX after this). Without it XLA's CPU scheduler keeps every stream all the same.
+        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+        print(f"--recompute: XLA_FLAGS += {flag} (XLA's memory-minimizing CPU scheduler)", file=sys.stderr)
+    if args.recompute == "auto":
+        from mhc.jax import suggested_recompute  # imports JAX: after XLA_FLAGS is set
+
+        return suggested_recompute(args.n, 2 * args.layers)
+    return int(args.recompute)
 
 
 def main(argv=None) -> int:
@@ -411,6 +450,7 @@ def main(argv=None) -> int:
         parser.error("--steps and --batch must be >= 1, --seq-len >= 2")
     if args.compare_paths and args.residual not in ("mhc", "mhc-lite"):
         parser.error("--compare-paths switches the mHC kernels: use --residual mhc or mhc-lite")
+    recompute = _recompute(parser, args)
 
     base = dict(
         steps=args.steps,
@@ -431,12 +471,28 @@ def main(argv=None) -> int:
         collapse=args.collapse,
     )
     if args.compare:
-        specs = [RunSpec(name=kind, residual=kind, use_kernel=args.use_kernel, **base) for kind in COMPARE_RESIDUALS]
+        specs = [
+            RunSpec(
+                name=f"{kind}-k{recompute}" if recompute and kind in ("mhc", "mhc-lite") else kind,
+                residual=kind,
+                use_kernel=args.use_kernel,
+                recompute=recompute if kind in ("mhc", "mhc-lite") else None,
+                **base,
+            )
+            for kind in COMPARE_RESIDUALS
+        ]
         results = [_train_in_subprocess(spec) for spec in specs]
     elif args.compare_paths:
         specs = [
-            RunSpec(name="kernel", residual=args.residual, use_kernel=True, **base),
-            RunSpec(name="kernel-unfused", residual=args.residual, use_kernel=True, fuse_boundaries=False, **base),
+            RunSpec(name="kernel", residual=args.residual, use_kernel=True, recompute=recompute, **base),
+            RunSpec(
+                name="kernel-unfused",
+                residual=args.residual,
+                use_kernel=True,
+                fuse_boundaries=False,
+                recompute=recompute,
+                **base,
+            ),
             RunSpec(name="plain-jax", residual=args.residual, use_kernel=False, **base),
         ]
         results = [_train_in_subprocess(spec) for spec in specs]
@@ -446,7 +502,10 @@ def main(argv=None) -> int:
             if args.residual in ("plain", "hc")
             else f"{args.residual}-{'kernel' if args.use_kernel else 'jax'}"
         )
-        results = [train(RunSpec(name=name, residual=args.residual, use_kernel=args.use_kernel, **base))]
+        if recompute:
+            name += f"-k{recompute}"
+        spec = RunSpec(name=name, residual=args.residual, use_kernel=args.use_kernel, recompute=recompute, **base)
+        results = [train(spec)]
     out = Path(args.out)
     written = write_outputs(results, out, comparison=args.compare)
     print_summary(results, out, written)

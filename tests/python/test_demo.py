@@ -134,6 +134,27 @@ def test_compare_paths_runs_the_kernel_paths(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "comparison.png").exists()
 
 
+def test_recompute_reaches_the_mhc_runs_and_sets_the_cpu_scheduler(tmp_path, monkeypatch, capsys):
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    specs = []
+    monkeypatch.setattr(demo, "_train_in_subprocess", lambda spec: specs.append(spec) or _fake_result(spec))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    assert demo.main(["--compare", "--recompute", "3", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert [(s.name, s.recompute) for s in specs] == [("plain", None), ("hc", None), ("mhc-k3", 3), ("mhc-lite-k3", 3)]
+    assert demo.os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=1 {flag}"
+    # auto: the paper's group size for the run's sublayers (4 blocks: 8 sublayers, sqrt(4 * 8 / 6) = 2.3)
+    specs.clear()
+    assert demo.main(["--compare-paths", "--recompute", "auto", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert [(s.name, s.recompute) for s in specs] == [("kernel", 2), ("kernel-unfused", 2), ("plain-jax", None)]
+    assert demo.os.environ["XLA_FLAGS"].count(flag) == 1
+    assert "peak MiB" in capsys.readouterr().out
+    for bad in (["--recompute", "0"], ["--recompute", "two"], ["--residual", "hc", "--recompute", "2"]):
+        with pytest.raises(SystemExit):
+            demo.main(bad)
+    with pytest.raises(SystemExit):
+        demo.main(["--no-use-kernel", "--recompute", "2"])
+
+
 def test_bad_arguments_exit_with_a_message():
     result = subprocess.run([sys.executable, "-m", "mhc.demo", "--steps", "0"], capture_output=True, text=True)
     assert result.returncode == 2 and "--steps" in result.stderr

@@ -1,0 +1,156 @@
+"""What mHC costs in memory per training step, and what recomputing its streams in groups gives
+back (issue 29): the demo's V4-shaped model (mhc.models.Transformer, 8 blocks = 16 sublayers,
+n = 4) at two widths, f32 and bf16, for the plain residual, mHC keeping every stream, and mHC
+recomputing them in groups of k (2, 4 and mhc.jax.suggested_recompute's).
+
+Per configuration, each in its own process (peak RSS is per process): XLA's memory analysis of the
+compiled step (value_and_grad of the loss: temporaries, arguments, outputs), the process's peak RSS
+(resource.getrusage maxrss, after compiling and running), and the median time of the timed steps.
+"mHC adds" is mHC's temporaries less the plain residual's at the same width and dtype.
+
+    .venv/bin/python bench/recompute_memory.py                    # XLA's memory scheduler (the default here)
+    .venv/bin/python bench/recompute_memory.py --scheduler default  # XLA's CPU default (concurrency-optimized)
+
+Recompute needs XLA's memory-minimizing CPU scheduler: under the default one XLA runs the
+recomputation right after the forward (mhc.jax.recompute_streams). The scheduler is chosen by
+XLA_FLAGS when each subprocess starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+MEMORY_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"  # mhc.jax.CPU_MEMORY_SCHEDULER_FLAG
+
+
+def measure(width: int, dtype: str, residual: str, recompute: int | None, batch: int, seq: int, steps: int) -> dict:
+    """One configuration, in this process: the memory analysis, peak RSS and step times."""
+    import resource
+
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from mhc.models import ModelConfig, Transformer, loss_fn
+
+    config = ModelConfig(
+        width=width, layers=8, heads=4, n=4, residual=residual, recompute=recompute, dtype=dtype, collapse="head"
+    )
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def step(params, tokens, targets):
+        return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens, targets))(params)
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (batch, seq), dtype=np.int32)
+    targets = rng.integers(0, 256, (batch, seq), dtype=np.int32)
+    compiled = jax.jit(step).lower(params, tokens, targets).compile()
+    memory = compiled.memory_analysis()
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        loss, grads = compiled(params, tokens, targets)
+        jax.block_until_ready(grads)
+        times.append(time.perf_counter() - start)
+    return {
+        "width": width,
+        "dtype": dtype,
+        "residual": residual,
+        "recompute": recompute,
+        "temp_mib": memory.temp_size_in_bytes / 2**20,
+        "argument_mib": memory.argument_size_in_bytes / 2**20,
+        "output_mib": memory.output_size_in_bytes / 2**20,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_ms": 1000 * float(np.median(times[1:])),  # the first call's time is dropped
+        "loss": float(loss),
+    }
+
+
+def _configurations(suggested: int) -> list:
+    runs = [("plain", None), ("mhc", None)]
+    runs += [("mhc", k) for k in sorted({2, 4, suggested})]
+    return runs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--widths", type=int, nargs="+", default=[256, 512])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (after one untimed)")
+    parser.add_argument("--scheduler", choices=("memory", "default"), default="memory")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a subprocess's configuration
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure(**json.loads(args.one))))
+        return 0
+
+    from mhc.jax import suggested_recompute
+
+    suggested = suggested_recompute(4, 16)
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").replace(MEMORY_SCHEDULER_FLAG, "")
+    env["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}" if args.scheduler == "memory" else flags
+    rows = []
+    for dtype in args.dtypes:
+        for width in args.widths:
+            for residual, recompute in _configurations(suggested):
+                spec = dict(
+                    width=width,
+                    dtype=dtype,
+                    residual=residual,
+                    recompute=recompute,
+                    batch=args.batch,
+                    seq=args.seq,
+                    steps=args.steps,
+                )
+                command = [sys.executable, __file__, "--one", json.dumps(spec)]
+                result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+                if result.returncode:
+                    raise SystemExit(f"{spec}: failed\n{result.stderr[-3000:]}")
+                rows.append(json.loads(result.stdout.strip().splitlines()[-1]))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    _print_table(rows, args, suggested)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"args": vars(args), "rows": rows}, handle, indent=2)
+    return 0
+
+
+def _print_table(rows: list, args, suggested: int) -> None:
+    print(
+        f"16 sublayers, n = 4, {args.batch} x {args.seq} tokens, value_and_grad per step, "
+        f"{args.scheduler} scheduler; suggested k = {suggested}; MiB, ms (median of {args.steps})"
+    )
+    print(
+        "| D | dtype | residual | k | XLA temp | arguments | mHC adds (temp) | of no-recompute's | "
+        "peak RSS | step ms | vs no recompute |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        same = [r for r in rows if r["width"] == row["width"] and r["dtype"] == row["dtype"]]
+        plain = next(r for r in same if r["residual"] == "plain")
+        kept = next(r for r in same if r["residual"] == "mhc" and r["recompute"] is None)
+        adds = row["temp_mib"] - plain["temp_mib"]
+        kept_adds = kept["temp_mib"] - plain["temp_mib"]
+        mhc = row["residual"] == "mhc"
+        share = f"{100 * adds / kept_adds:.0f}%" if mhc and kept_adds > 0 else "-"
+        time_ratio = f"{row['step_ms'] / kept['step_ms']:.2f}x" if mhc else "-"
+        k = "-" if row["recompute"] is None else str(row["recompute"])
+        print(
+            f"| {row['width']} | {row['dtype']} | {row['residual']} | {k} | {row['temp_mib']:.1f} | "
+            f"{row['argument_mib']:.1f} | {adds:.1f} | {share} | {row['peak_rss_mib']:.0f} | "
+            f"{row['step_ms']:.0f} | {time_ratio} |"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
