@@ -284,8 +284,8 @@ MUTATIONS = (
         (
             Edit(
                 "src/cpu/head.cc",
-                "layout.phi[static_cast<size_t>(m * n + k)] = fn[k * M + m]",
-                "layout.phi[static_cast<size_t>(m * n + k)] = fn[m * n + k]",
+                "layout->phi[m * n + k] = fn[k * M + m]",
+                "layout->phi[m * n + k] = fn[m * n + k]",
             ),
         ),
     ),
@@ -295,15 +295,15 @@ MUTATIONS = (
         (
             Edit(
                 "src/cpu/head.cc",
-                "  pre_forward(config, dims, x, layout.params,",
-                "  Config without_eps = config;\n  without_eps.pre_eps = 0.0f;\n"
-                "  pre_forward(without_eps, dims, x, layout.params,",
+                "    pre_forward_tiles<X>(config, dims, layout.weights,",
+                "    Config without_eps = config;\n    without_eps.pre_eps = 0.0f;\n"
+                "    pre_forward_tiles<X>(without_eps, dims, layout.weights,",
             ),
             Edit(
                 "src/cpu/head.cc",
-                "  pre_backward(config, dims, dout,",
-                "  Config without_eps = config;\n  without_eps.pre_eps = 0.0f;\n"
-                "  pre_backward(without_eps, dims, dout,",
+                "    pre_backward_tiles<X>(config, dims, layout.weights,",
+                "    Config without_eps = config;\n    without_eps.pre_eps = 0.0f;\n"
+                "    pre_backward_tiles<X>(without_eps, dims, layout.weights,",
             ),
         ),
     ),
@@ -325,7 +325,7 @@ MUTATIONS = (
         "the fused boundary backward recomputes every tile's x_next with the first tile's h_post, h_res",
         (
             Edit(
-                "src/cpu/pre_backward.cc",
+                "src/cpu/boundary.cc",
                 "post_forward_tokens(x + t0 * M, layer_out + t0 * D, h_post + t0 * n, h_res + t0 * n * n, n, D,",
                 "post_forward_tokens(x + t0 * M, layer_out + t0 * D, h_post, h_res, n, D,",
             ),
