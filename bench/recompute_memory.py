@@ -10,6 +10,11 @@ compiled step (value_and_grad of the loss: temporaries, arguments, outputs), the
 
     .venv/bin/python bench/recompute_memory.py                    # XLA's memory scheduler (the default here)
     .venv/bin/python bench/recompute_memory.py --scheduler default  # XLA's CPU default (concurrency-optimized)
+    .venv/bin/python bench/recompute_memory.py --interleaved         # step times side by side, one process
+
+Separate processes run at different times, so on a shared machine their step times drift apart;
+``--interleaved`` compiles mHC without recompute and with each k in one process and times them
+in turns (one step each, round after round): the median per-round ratio is the time cost.
 
 Recompute needs XLA's memory-minimizing CPU scheduler: under the default one XLA runs the
 recomputation right after the forward (mhc.jax.recompute_streams). The scheduler is chosen by
@@ -72,6 +77,46 @@ def measure(width: int, dtype: str, residual: str, recompute: int | None, batch:
     }
 
 
+def interleaved(width: int, dtype: str, ks: list, batch: int, seq: int, rounds: int) -> list:
+    """mHC's step without recompute and with each k, compiled in this process and timed in turns."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from mhc.models import ModelConfig, Transformer, loss_fn
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 256, (batch, seq), dtype=np.int32)
+    steps = {}
+    for k in [None, *ks]:
+        config = ModelConfig(width=width, layers=8, heads=4, n=4, recompute=k, dtype=dtype)
+        graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+
+        def step(params, tokens, graphdef=graphdef):
+            return jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens, tokens))(params)
+
+        compiled = jax.jit(step).lower(params, tokens).compile()
+        jax.block_until_ready(compiled(params, tokens))  # untimed
+        steps[k] = (compiled, params)
+    times = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, (compiled, params) in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(params, tokens))
+            times[k].append(time.perf_counter() - start)
+    kept = np.array(times[None])
+    return [
+        {
+            "width": width,
+            "dtype": dtype,
+            "recompute": k,
+            "step_ms": 1000 * float(np.median(t)),
+            "ratio": float(np.median(np.array(t) / kept)),
+        }
+        for k, t in times.items()
+    ]
+
+
 def _configurations(suggested: int) -> list:
     runs = [("plain", None), ("mhc", None)]
     runs += [("mhc", k) for k in sorted({2, 4, suggested})]
@@ -86,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration (after one untimed)")
     parser.add_argument("--scheduler", choices=("memory", "default"), default="memory")
+    parser.add_argument("--interleaved", action="store_true", help="only the step times, side by side (see above)")
+    parser.add_argument("--rounds", type=int, default=7, help="--interleaved: steps of each configuration")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a subprocess's configuration
     args = parser.parse_args(argv)
@@ -96,6 +143,19 @@ def main(argv=None) -> int:
     from mhc.jax import suggested_recompute
 
     suggested = suggested_recompute(4, 16)
+    if args.interleaved:
+        if MEMORY_SCHEDULER_FLAG not in os.environ.get("XLA_FLAGS", "") and args.scheduler == "memory":
+            raise SystemExit(f"--interleaved runs in this process: start it with XLA_FLAGS={MEMORY_SCHEDULER_FLAG}")
+        print(f"mHC step time, {args.batch} x {args.seq} tokens, median of {args.rounds} rounds, one process")
+        print("| D | dtype | k | step ms | per-round ratio to no recompute |")
+        print("|---|---|---|---|---|")
+        for dtype in args.dtypes:
+            for width in args.widths:
+                ks = sorted({2, 4, suggested})
+                for row in interleaved(width, dtype, ks, args.batch, args.seq, args.rounds):
+                    k = "-" if row["recompute"] is None else row["recompute"]
+                    print(f"| {width} | {dtype} | {k} | {row['step_ms']:.0f} | {row['ratio']:.2f}x |", flush=True)
+        return 0
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "").replace(MEMORY_SCHEDULER_FLAG, "")
     env["XLA_FLAGS"] = f"{flags} {MEMORY_SCHEDULER_FLAG}" if args.scheduler == "memory" else flags
