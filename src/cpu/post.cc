@@ -169,13 +169,20 @@ MHC_POST_TOKENS(bf16, bf16)
 
 namespace {
 
+// Elements of x below which a post operation runs on the calling thread alone: 2^18 is 16 tokens
+// at n D = 16384, about 80 us of work on one core. Below it, handing half to a second thread cost
+// more than it saved (decode, T = 8, D = 4096: 46 us on one thread against 75-128 us on two, the
+// second thread competing with XLA's own). Results do not depend on it.
+constexpr int64_t kMinParallelElements = int64_t{1} << 18;
+
 // Runs body(begin, end) over the tokens in tasks of post_tile_tokens(M) on the pool.
 template <class Body>
 void over_token_tiles(const detail::Dims& dims, Body body) {
   const int64_t tile = post_tile_tokens(dims.M);
   const int64_t tasks = ceil_div(dims.T, tile);
   ThreadPool& pool = ThreadPool::instance();
-  const int workers = static_cast<int>(std::min<int64_t>(pool.threads(), tasks));
+  const int64_t threads = dims.T * dims.M < kMinParallelElements ? 1 : pool.threads();
+  const int workers = static_cast<int>(std::min<int64_t>(threads, tasks));
   pool.parallel_for(tasks, workers, [&](int64_t task, int) {
     body(task * tile, std::min(dims.T, (task + 1) * tile));
   });
