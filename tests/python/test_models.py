@@ -97,6 +97,8 @@ def test_bad_configs_are_rejected():
         ModelConfig(collapse="mean")
     with pytest.raises(ValueError, match="width"):
         ModelConfig(width=30, heads=4)
+    with pytest.raises(ValueError, match="dtype: expected one of"):
+        ModelConfig(dtype="float16")
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="recompute: expected None or a group size"):
             ModelConfig(recompute=bad)
