@@ -88,8 +88,14 @@ def train(spec: RunSpec) -> dict:
     from flax import nnx
     from tqdm import tqdm
 
+    import mhc
     from mhc.diagnostics import amax_gain
     from mhc.models import ModelConfig, Transformer, loss_fn
+
+    # Each run owns its process (_train_in_subprocess), so it may keep large blocks in the heap
+    # (the kernels' outputs are then not faulted in afresh each step); every run of a comparison
+    # does the same, so their peak memories stay comparable.
+    mhc.tune_allocator()
 
     corpus = np.frombuffer(load_corpus(spec.data), np.uint8)
     split = int(0.9 * len(corpus))

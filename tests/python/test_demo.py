@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+import mhc
 from mhc import demo
 from mhc.diagnostics import amax_gain
 from mhc.models import ModelConfig, Transformer, loss_fn
@@ -79,8 +80,10 @@ def test_kernel_and_reference_training_agree(residual, seed):
 
 
 def test_compare_trains_every_residual_from_one_seed(tmp_path, monkeypatch, capsys, seed):
-    # In this process (the demo gives each run its own, to measure its peak memory).
+    # In this process (the demo gives each run its own, to measure its peak memory), so without
+    # the allocator setting a run makes for its own process.
     monkeypatch.setattr(demo, "_train_in_subprocess", demo.train)
+    monkeypatch.setattr(mhc, "tune_allocator", lambda: False)
     out = tmp_path / "compare"
     flags = f"--compare --steps 4 {TINY_FLAGS} --eval-every 4 --sample-bytes 0 --lr 3e-2 --seed {seed % 1000}"
     assert demo.main([*flags.split(), "--no-progress", "--out", str(out)]) == 0
