@@ -179,7 +179,7 @@ def test_the_chain_matches_the_cpu_kernels(seed):
 
 
 @pytest.mark.usefixtures("fresh_warnings")
-def test_the_boundary_without_a_fused_tpu_kernel_runs_post_then_pre():
+def test_the_boundary_on_the_tpu_path():
     """As on a GPU: fused where KERNELS has the boundary, else the post and pre kernels (warned
     once), or the error that fallback='error' asks for."""
     config, x, layers, _ = _chain_problem(0, sublayers=2)
@@ -231,6 +231,33 @@ def test_the_flax_layer_matches_the_cpu_kernels(seed):
             return
         got_grads = leaves(nnx.jit(grads)(layer, x))
     _assert_close(got_grads, want_grads, jnp.float32, f"(seed {seed})")
+
+
+def test_the_head_matches_the_cpu_kernels(seed):
+    """V4's head: the value and the gradients wrt x and its parameters."""
+    config = mj.Config(n=4, pre_eps=0.1)
+    keys = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(keys[0], (2, 5, 4, 24))
+    head = mj.init_head_params(keys[1], config, 24)
+    head = jax.tree.map(
+        lambda p, k: p + 0.5 * jax.random.normal(k, p.shape), head, mj.HeadParams(*jax.random.split(keys[2], 3))
+    )
+    w = jax.random.normal(keys[2], (2, 5, 24))
+
+    def value_and_grads(x, head):
+        return jax.value_and_grad(lambda x, head: jnp.sum(mj.head(x, head, config) * w), argnums=(0, 1))(x, head)
+
+    def named(results):
+        return {str(i): a for i, a in enumerate(jax.tree.leaves(results))}
+
+    want = named(jax.jit(value_and_grads)(x, head))
+    with interpret_on_cpu():
+        if not _tpu_has("mhc_head_forward", "mhc_head_backward"):
+            with _no_tpu_kernel("head"):
+                jax.jit(value_and_grads)(x, head)
+            return
+        got = named(jax.jit(value_and_grads)(x, head))
+    _assert_close(got, want, jnp.float32, f"(seed {seed})")
 
 
 def test_a_tiny_transformer_forward_matches_the_cpu_kernels(seed):
