@@ -17,7 +17,7 @@ from jax.extend import core as jcore
 import mhc.jax as mj
 from conftest import random_params, relative_error
 from mhc.jax import _kernels
-from mhc.models import causal_attention
+from mhc.models import causal_attention, gelu
 
 N, D, HEADS = 4, 32, 2
 CONFIG = mj.Config(n=N)
@@ -271,7 +271,7 @@ def _subprocess_cases(seed=0):
             q, k, v = (jnp.einsum("bsd,de->bse", h, w[i]).reshape(*h.shape[:2], heads, -1) for i in range(3))
             return causal_attention(q, k, v).reshape(h.shape) @ w[3]
 
-        return attention if index % 2 == 0 else (lambda h: jax.nn.gelu(h @ w[0]) @ w[1])
+        return attention if index % 2 == 0 else (lambda h: gelu(h @ w[0]) @ w[1])
 
     weights = [jnp.concatenate([w, w[:1]]) for w in weights]  # 4 matrices a sublayer
 
@@ -314,3 +314,14 @@ def test_the_models_attention_is_jaxs_and_keeps_one_score_array(seed):
 if __name__ == "__main__":
     mj._cpu_scheduler_warned = True
     _subprocess_cases()
+
+
+def test_the_models_gelu_is_jaxs_and_keeps_only_its_input(seed):
+    """mhc.models' gelu: jax.nn.gelu's values and gradients, bit for bit, its backward keeping
+    only u (what lets recompute groups save memory around the MLP)."""
+    u, weight = jax.random.normal(jax.random.key(seed), (2, 16, 64), jnp.float32)
+    got = jax.jit(jax.value_and_grad(lambda u: jnp.sum(jnp.sin(gelu(u)) * weight)))(u)
+    want = jax.jit(jax.value_and_grad(lambda u: jnp.sum(jnp.sin(jax.nn.gelu(u)) * weight)))(u)
+    _assert_same_bits(got, want, f"gelu (seed {seed})")
+    _, backward = jax.vjp(gelu, u)
+    assert [r.shape for r in jax.tree.leaves(backward)] == [u.shape]
