@@ -1,0 +1,33 @@
+"""Compile-only for real chips (issue: TPU backend): the post kernels, forward and backward, at a
+steady-state shape (n = 4, D = 2048, T = 4096, bf16) through libtpu's compile-only topologies for
+v5e and v6e, by scripts/tpu_compile.py. Mosaic's compiler and XLA:TPU must accept them, fit the
+chip's VMEM (an overuse is a compile error) and put no relayout copy of x around them. Nothing
+runs on a chip. The pre, boundary and head kernels take minutes each to compile on 2 cores:
+`make tpu-compile` (D = 2048) and `make tpu-compile-v4` compile every kernel outside the tests."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tpu_compile.py"
+CHIP_VMEM_MIB = {"v5e": 128, "v6e": 128}
+
+pytest.importorskip("libtpu", reason="libtpu (jax[tpu], requirements-dev.txt) compiles for the chips")
+
+
+def test_post_kernels_compile_for_v5e_and_v6e_and_fit_vmem():
+    kernels = ["mhc_post_forward", "mhc_post_backward"]
+    command = [sys.executable, str(SCRIPT), "--chips", *CHIP_VMEM_MIB, "--d", "2048", "--kernels", *kernels]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| v\d", line)]
+    seen = {(row[0].strip(), row[1].strip()) for row in rows}
+    assert seen == {(chip, name.removeprefix("mhc_")) for chip in CHIP_VMEM_MIB for name in kernels}, result.stdout
+    for chip, _, d, _, _, vmem_mib, _, _, copies in (tuple(cell.strip() for cell in row) for row in rows):
+        assert d == "2048"
+        assert 0 < float(vmem_mib) < CHIP_VMEM_MIB[chip], result.stdout  # the compiler reserved VMEM, under the chip's
+        assert copies == "0", result.stdout  # no x-sized relayout around the kernel
