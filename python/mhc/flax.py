@@ -126,7 +126,8 @@ def stack(
     recompute: as for ``mhc.jax.stack``: None keeps every sublayer's streams for the backward; k
     keeps them only at the start of every group of k sublayers, each group under ``nnx.remat``
     with ``mhc.jax.recompute_policy``, so its backward rebuilds the streams (and each layer_in)
-    with the mhc kernels, never re-running norm_fn or branch_fn; the gradients are the same bits.
+    with the mhc kernels, never re-running norm_fn or branch_fn (the kernels' results are the same
+    bits; XLA may round the branches differently across the barrier: docs/jax.md).
     The layers must run the kernels (``use_kernel=True``). Pass modules as norm_fn and branch_fn
     (not functions closing over modules) where they update state (``sow``): nnx.remat carries
     the modules it is given. On the CPU mind the scheduler (``mhc.jax.recompute_streams``).

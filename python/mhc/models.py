@@ -194,10 +194,12 @@ class CausalSelfAttention(nnx.Module):
 @jax.custom_vjp
 def gelu(u):
     """``jax.nn.gelu`` (tanh form) whose backward keeps only its input u and derives the gradient
-    from it, as XLA does by fusion without a checkpoint. JAX's autodiff keeps several [.., 4 D]
-    intermediates (u^3, the tanh, ...) that XLA fuses away without a checkpoint but must store
-    once they cross ``jax.checkpoint``'s barrier (mHC's recompute groups): 14.5 MiB of the 16
-    sublayers' f32 temporaries at D = 128. Same values and gradients as ``jax.nn.gelu``."""
+    from it. JAX's autodiff keeps several [.., 4 D] intermediates (u^3, the tanh, ...), which XLA
+    must store once they cross ``jax.checkpoint``'s barrier (mHC's recompute groups): 14.5 MiB of
+    the 16 sublayers' f32 temporaries at D = 128. Without a checkpoint XLA merges this backward's
+    recomputation with the forward's gelu and still keeps the tanh (f32) or three bf16-rounded
+    intermediates per MLP (seen in the buffer assignment; an optimization barrier on u here would
+    stop that, not done yet). Same values and gradients as ``jax.nn.gelu``."""
     return jax.nn.gelu(u)
 
 

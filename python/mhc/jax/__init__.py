@@ -361,8 +361,9 @@ def stack(
     recompute: None keeps every sublayer's streams for the backward. k keeps them only at the
     start of every group of k consecutive sublayers (the last group may be shorter): each group
     runs under ``recompute_streams``, and its backward rebuilds its streams with the mhc kernels
-    from its first x and the stored layer_outs, never re-running the branches. The gradients
-    are the same bits as without. ``suggested_recompute(n, len(sublayers))`` gives the paper's k.
+    from its first x and the stored layer_outs, never re-running the branches. The kernels
+    compute the same bits as without; XLA may fuse and round the branches differently across
+    the checkpoint barrier (last bits; docs/jax.md). ``suggested_recompute(n, len(sublayers))`` gives the paper's k.
     k = 1 keeps every x but still rebuilds each sublayer's layer_in (one kernel forward each).
     The other arguments are ``sublayer``'s.
     """
