@@ -344,25 +344,5 @@ def boundary_backward(
         dlayer_out[:, :d],
         dh_post,
         dh_res.reshape(t, n, n),
-        *_parameter_grads(config, params, gram, dbias_rows[:, 0], dalpha_rows[:, 0], d),
-    )
-
-
-def _parameter_grads(config: Config, params: Params, gram, dbias_rows, dalpha_rows, d: int):
-    """(dnorm_weight, dphi, dalpha, dbias) from the kernel's accumulators in the transposed
-    weight's rows, as pre_backward's (spec: Backward, Projection and Scales and biases):
-    gram[row of c, k Dp + d] = sum_t dP[t, c] x[t, k, d]."""
-    n, padded = config.n, _layout.padded_features(d)
-    row_of_column = _pre_backward._logit_row_of_column(config)
-    projection_grad = gram[row_of_column].reshape(-1, n, padded)[:, :, :d].reshape(-1, n * d).T
-    norm_weight, phi = jnp.asarray(params.norm_weight, _F32), jnp.asarray(params.phi, _F32)
-    dalpha_columns = dalpha_rows[row_of_column]
-    dalpha = jnp.stack(
-        [jnp.sum(dalpha_columns[:n]), jnp.sum(dalpha_columns[n : 2 * n]), jnp.sum(dalpha_columns[2 * n :])]
-    )
-    return (
-        jnp.sum(phi * projection_grad, axis=1),
-        norm_weight[:, None] * projection_grad,
-        dalpha,
-        dbias_rows[row_of_column],
+        *_pre_backward.parameter_grads(config, params, gram, dbias_rows[:, 0], dalpha_rows[:, 0], d),
     )

@@ -438,14 +438,25 @@ def pre_backward(
     dx, gram, dbias_rows, dalpha_rows = run(
         config, x, dlayer_in, dx_partial, dh, weight, scale, bias, table_t, tile=tile, interpret=interpret
     )
+    return (dx, *parameter_grads(config, params, gram, dbias_rows, dalpha_rows, d))
+
+
+def parameter_grads(config: Config, params: Params, gram, dbias_rows, dalpha_rows, d: int):
+    """(dnorm_weight, dphi, dalpha, dbias) from the backward kernel's accumulators, which are kept
+    in the transposed weight's rows (spec: Backward, Projection and Scales and biases); shared by
+    pre_backward and the fused boundary backward."""
+    n, padded = config.n, _layout.padded_features(d)
     row_of_column = _logit_row_of_column(config)
     # gram[row of c, k Dp + d] = sum_t dP[t, c] x[t, k, d]: back to [n D, N] without the padding.
     projection_grad = gram[row_of_column].reshape(-1, n, padded)[:, :, :d].reshape(-1, n * d).T
     norm_weight, phi = jnp.asarray(params.norm_weight, _F32), jnp.asarray(params.phi, _F32)
-    dphi = norm_weight[:, None] * projection_grad
-    dnorm_weight = jnp.sum(phi * projection_grad, axis=1)
     dalpha_columns = dalpha_rows[row_of_column]
     dalpha = jnp.stack(
         [jnp.sum(dalpha_columns[:n]), jnp.sum(dalpha_columns[n : 2 * n]), jnp.sum(dalpha_columns[2 * n :])]
     )
-    return dx, dnorm_weight, dphi, dalpha, dbias_rows[row_of_column]
+    return (
+        jnp.sum(phi * projection_grad, axis=1),
+        norm_weight[:, None] * projection_grad,
+        dalpha,
+        dbias_rows[row_of_column],
+    )
