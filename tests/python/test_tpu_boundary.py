@@ -184,6 +184,11 @@ def _backward_oracle(config, x, layer_out, h_post, h_res, params, dli, g_next, l
     (dx_next, *dparams), cotangents, _ = _pre_backward_oracle(
         config, x_next, layer_out_next, params, dli, g_next, noise
     )
+    # The kernel gets dx_partial of l+1 in x's dtype; it enters dx_{l+1} as a plain summand, so
+    # the reference takes the rounded value too (where dx_{l+1} cancels, the rounding would be
+    # amplified past the bound).
+    dx_partial_next = cotangents[0]
+    dx_next = dx_next - dx_partial_next + _f64(jnp.asarray(dx_partial_next, dtype))
     post = (
         np.einsum("tij,tjd->tid", h_res, dx_next),
         np.einsum("tj,tjd->td", h_post, dx_next),
