@@ -98,6 +98,7 @@ struct BackwardWorkspace {
     float* dlayer_in;    // [tile, D] (bf16 only)
     float* dx;           // [tile, M] (bf16 only)
     float* P;            // [tile, N]
+    double* squares;     // [tile]: each token's sum of squares of x
     float* dP;           // [tile, N]
     float* h_pre;        // [tile, n]
     float* rms_term;     // [tile]: dr r^3 / M
@@ -123,10 +124,7 @@ struct BackwardWorkspace {
     chunk_sums = take.template take<double>(count(plan.chunks * (N + 3)));
     weight_sums = take.template take<float>(count(plan.workers * N * kWeightGradBlock));
     block_totals = take.template take<double>(count(plan.threads * N * kWeightGradBlock));
-    const int64_t split_tokens = plan.split_rows ? tile : 0;
-    split.sums = take.template take<float>(
-        count(ceil_div(M, kProjectionBlock) * split_tokens * padded_width(N)));
-    split.wide = take.template take<double>(count(split_tokens * padded_width(N)));
+    split = take_split_rows(take, plan.split_rows ? tile : 0, M, N);
     slots.clear();
     for (int s = 0; s < plan.slots; ++s) {
       Slot slot;
@@ -134,6 +132,7 @@ struct BackwardWorkspace {
       slot.dlayer_in = take.template take<float>(count(kWiden ? tile * D : 0));
       slot.dx = take.template take<float>(count(kWiden ? tile * M : 0));
       slot.P = take.template take<float>(count(tile * N));
+      slot.squares = take.template take<double>(count(tile));
       slot.dP = take.template take<float>(count(tile * N));
       slot.h_pre = take.template take<float>(count(tile * n));
       slot.rms_term = take.template take<float>(count(tile));
@@ -181,7 +180,7 @@ struct BackwardRun {
     const float* P = s.P + t * N;
     double squares = 0.0;
     if (supplied.partials == nullptr) {
-      squares = sum_squares(xt, M);
+      squares = s.squares[t];
     } else {
       P = supplied.partials + token * (N + 1);
       squares = P[N];
@@ -277,7 +276,7 @@ struct BackwardRun {
         const int64_t tokens = std::min(plan.tile, T - t0);
         const float* xf = as_f32(source.x_tile(t0, tokens, worker), tokens * M, s.x);
         const float* dli = as_f32(dlayer_in + t0 * D, tokens * D, s.dlayer_in);
-        if (supplied.partials == nullptr) project(xf, tokens, weight, s.P);
+        if (supplied.partials == nullptr) project(xf, tokens, weight, s.P, s.squares);
         for (int64_t t = 0; t < tokens; ++t) coefficient_token(s, ws, xf, dli, t0, t);
         add_token_sums(s, tokens, chunk);
         second_sweep(s, xf, dli, source.dx_tile(t0, worker), t0, tokens, chunk, 0, M, worker);
@@ -300,8 +299,8 @@ struct BackwardRun {
       for (int64_t task = first; task < plan.first_tile(chunk + 1); ++task) {
         const int64_t t0 = task * plan.tile;
         const int64_t tokens = std::min(plan.tile, T - t0);
-        const float* xf =
-            project_split_rows(source.x_tile(t0, tokens, 0), tokens, weight, s.x, s.P, work.split);
+        const float* xf = project_split_rows(source.x_tile(t0, tokens, 0), tokens, weight, s.x, s.P,
+                                             s.squares, work.split);
         const float* dli = s.dlayer_in;
         if constexpr (std::is_same_v<X, float>) dli = dlayer_in + t0 * D;
         pool.parallel_for(tokens, plan.workers, [&](int64_t t, int worker) {

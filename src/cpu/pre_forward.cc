@@ -1,9 +1,10 @@
 // pre_forward on the CPU (spec: Forward steps 1-6), fused and split for tensor parallelism.
 //
-// Fused, per token tile: one sweep computes the sum of squares and the projection
-// P = x (norm_weight * phi), the per-token math turns them into the coefficients, and a second
-// sweep over the same cached tile applies H_pre. With fewer tiles than threads (decode), the
-// projection of each tile is split over the threads by rows of W and its tokens then finish in
+// Fused, per token tile: one sweep computes the projection P = x (norm_weight * phi) and the sum
+// of squares (a bf16 tile widened a few blocks at a time inside it, projection.h), the per-token
+// math turns them into the coefficients, and a second sweep over the same cached tile applies
+// H_pre, reading x and writing layer_in in their own type. With fewer tiles than threads (decode),
+// the projection of each tile is split over the threads by rows of W and its tokens then finish in
 // parallel; the results are the same bits either way. The split form runs the first sweep alone
 // (pre_forward_partials) and, after the caller's all-reduce, the rest from the summed partials
 // (pre_forward_finish). The fused boundary and the head run pre_forward_tiles too (pre_kernels.h).
@@ -46,65 +47,58 @@ ForwardPlan plan_forward(const detail::Dims& dims, bool computes_projection) {
   return plan;
 }
 
-// The workspace of one call (workspace.h): per slot the tile of x widened to f32 (bf16 only) and
-// its projection; per worker one token's layer_in in f32 (bf16 only); the decode split's sums.
-// Sized by the tokens a tile really has: at decode sizes a whole tile's f32 staging (1 MiB) cost
-// as much as the rest of the call.
+// The workspace of one call (workspace.h): per slot the tile's projection and sums of squares;
+// for the decode split, the tile of x widened to f32 (bf16 only) and the split's sums. The fused
+// tiles need no f32 copy of x: the projection widens a bf16 tile a few blocks at a time, and the
+// pre-apply reads x and writes layer_in in X.
 template <class X>
 struct ForwardWorkspace {
   static constexpr bool kWiden = std::is_same_v<X, bf16>;
-  std::vector<float*> x, P;
-  std::vector<float*> layer_in;
+  std::vector<float*> P;
+  std::vector<double*> squares;
+  float* x_split = nullptr;
   SplitRowsScratch split{};
 
   template <class Taker>
   void layout(const detail::Dims& dims, const ForwardPlan& plan, Taker& take) {
     const auto count = [](int64_t elements) { return static_cast<size_t>(elements); };
-    x.clear();
     P.clear();
-    layer_in.clear();
+    squares.clear();
     for (int s = 0; s < plan.slots; ++s) {
-      x.push_back(take.template take<float>(count(kWiden ? plan.tile * dims.M : 0)));
       P.push_back(take.template take<float>(count(plan.tile * dims.N)));
-    }
-    for (int w = 0; w < plan.workers; ++w) {
-      layer_in.push_back(take.template take<float>(count(kWiden ? dims.D : 0)));
+      squares.push_back(take.template take<double>(count(plan.tile)));
     }
     const int64_t split_tokens = plan.split_rows ? plan.tile : 0;
-    split.sums = take.template take<float>(
-        count(ceil_div(dims.M, kProjectionBlock) * split_tokens * padded_width(dims.N)));
-    split.wide = take.template take<double>(count(split_tokens * padded_width(dims.N)));
+    x_split = take.template take<float>(count(kWiden ? split_tokens * dims.M : 0));
+    split = take_split_rows(take, split_tokens, dims.M, dims.N);
   }
 };
 
 // Everything after the projection for token t of the tile from t0: r, the coefficients and the
-// pre-apply. xf is the tile of x as f32; P_tile its projection (unused with partials).
+// pre-apply. x_tile is the tile of x; P_tile and squares its projection and sums of squares
+// (unused with partials).
 template <class X>
 void finish_token(const Config& config, const detail::Dims& dims, const float* supplied_partials,
-                  const float* xf, const float* P_tile, int64_t t0, int64_t t,
-                  TokenCoefficients& coefficients, float* layer_in_staging,
-                  const PreForwardOut<X>& out) {
+                  const X* x_tile, const float* P_tile, const double* squares, int64_t t0,
+                  int64_t t, TokenCoefficients& coefficients, const PreForwardOut<X>& out) {
   const int64_t n = dims.n, D = dims.D, M = dims.M, N = dims.N;
   const int64_t token = t0 + t;
-  const float* xt = xf + t * M;
   const float* P = P_tile + t * N;
-  double squares = 0.0;
+  double token_squares = 0.0;
   if (supplied_partials == nullptr) {
-    squares = sum_squares(xt, M);
+    token_squares = squares[t];
   } else {
     P = supplied_partials + token * (N + 1);
-    squares = P[N];
+    token_squares = P[N];
   }
-  const double r = inverse_rms(squares, dims.M_full, config.rms_eps);
+  const double r = inverse_rms(token_squares, dims.M_full, config.rms_eps);
   float* pre = out.h_pre + token * n;
   if (dims.pre_gates_only) {  // the head: no h_post or h_res
     coefficients.forward(P, r, pre, nullptr, nullptr);
   } else {
     coefficients.forward(P, r, pre, out.h_post + token * n, out.h_res + token * n * n);
   }
-  float* li = f32_target(out.layer_in + token * D, layer_in_staging);
-  weighted_rows(xt, n, pre, D, li);
-  store_from(li, out.layer_in + token * D, D);
+  weighted_rows(x_tile + t * M, n, pre, D, out.layer_in + token * D);
 }
 
 template <class X>
@@ -119,26 +113,27 @@ void run_partials(const detail::Dims& dims, const X* x, const FoldedWeight& weig
   Workspace workspace(size.bytes());
   work.layout(dims, plan, workspace);
   ThreadPool& pool = ThreadPool::instance();
-  auto write = [&](const float* xf, const float* P, int64_t t0, int64_t t) {
+  auto write = [&](const float* P, const double* squares, int64_t t0, int64_t t) {
     float* row = partials + (t0 + t) * (N + 1);
     std::copy(P + t * N, P + (t + 1) * N, row);
-    row[N] = static_cast<float>(sum_squares(xf + t * M, M));
+    row[N] = static_cast<float>(squares[t]);
   };
   if (plan.split_rows) {
     for (int64_t t0 = 0; t0 < T; t0 += plan.tile) {
       const int64_t tokens = std::min(plan.tile, T - t0);
-      const float* xf = project_split_rows(source.x_tile(t0, tokens, 0), tokens, weight, work.x[0],
-                                           work.P[0], work.split);
-      pool.parallel_for(tokens, plan.threads, [&](int64_t t, int) { write(xf, work.P[0], t0, t); });
+      project_split_rows(source.x_tile(t0, tokens, 0), tokens, weight, work.x_split, work.P[0],
+                         work.squares[0], work.split);
+      pool.parallel_for(tokens, plan.threads,
+                        [&](int64_t t, int) { write(work.P[0], work.squares[0], t0, t); });
     }
     return;
   }
   pool.parallel_for(plan.tiles, plan.workers, [&](int64_t task, int worker) {
     const int64_t t0 = task * plan.tile;
     const int64_t tokens = std::min(plan.tile, T - t0);
-    const float* xf = as_f32(source.x_tile(t0, tokens, worker), tokens * M, work.x[worker]);
-    project(xf, tokens, weight, work.P[worker]);
-    for (int64_t t = 0; t < tokens; ++t) write(xf, work.P[worker], t0, t);
+    project(source.x_tile(t0, tokens, worker), tokens, weight, work.P[worker],
+            work.squares[worker]);
+    for (int64_t t = 0; t < tokens; ++t) write(work.P[worker], work.squares[worker], t0, t);
   });
 }
 
@@ -175,28 +170,31 @@ void pre_forward_tiles(const Config& config, const detail::Dims& dims, const Pre
   for (int w = 0; w < plan.workers; ++w) {
     coefficients.emplace_back(config, weights.alpha, weights.bias, dims.pre_gates_only);
   }
-  auto finish = [&](const float* xf, const float* P, int64_t t0, int64_t t, int worker) {
-    finish_token(config, dims, supplied_partials, xf, P, t0, t,
-                 coefficients[static_cast<size_t>(worker)], work.layer_in[worker], out);
+  auto finish = [&](const X* x_tile, int64_t t0, int64_t t, int slot, int worker) {
+    finish_token(config, dims, supplied_partials, x_tile, work.P[slot], work.squares[slot], t0, t,
+                 coefficients[static_cast<size_t>(worker)], out);
   };
 
   ThreadPool& pool = ThreadPool::instance();
   if (plan.split_rows) {
     for (int64_t t0 = 0; t0 < T; t0 += plan.tile) {
       const int64_t tokens = std::min(plan.tile, T - t0);
-      const float* xf = project_split_rows(source.x_tile(t0, tokens, 0), tokens, weight, work.x[0],
-                                           work.P[0], work.split);
+      const X* x_tile = source.x_tile(t0, tokens, 0);
+      project_split_rows(x_tile, tokens, weight, work.x_split, work.P[0], work.squares[0],
+                         work.split);
       pool.parallel_for(tokens, plan.workers,
-                        [&](int64_t t, int worker) { finish(xf, work.P[0], t0, t, worker); });
+                        [&](int64_t t, int worker) { finish(x_tile, t0, t, 0, worker); });
     }
     return;
   }
   pool.parallel_for(plan.tiles, plan.workers, [&](int64_t task, int worker) {
     const int64_t t0 = task * plan.tile;
     const int64_t tokens = std::min(plan.tile, T - t0);
-    const float* xf = as_f32(source.x_tile(t0, tokens, worker), tokens * M, work.x[worker]);
-    if (supplied_partials == nullptr) project(xf, tokens, weight, work.P[worker]);
-    for (int64_t t = 0; t < tokens; ++t) finish(xf, work.P[worker], t0, t, worker);
+    const X* x_tile = source.x_tile(t0, tokens, worker);
+    if (supplied_partials == nullptr) {
+      project(x_tile, tokens, weight, work.P[worker], work.squares[worker]);
+    }
+    for (int64_t t = 0; t < tokens; ++t) finish(x_tile, t0, t, worker, worker);
   });
 }
 

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
+#include "vector_math.h"
 
 namespace mhc::cpu {
 
@@ -339,8 +341,35 @@ int64_t padded_width(int64_t N) {
   return (N + lanes - 1) / lanes * lanes;
 }
 
-MHC_CLONES void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w,
-                               int64_t block_begin, int64_t block_end, float* sums) {
+namespace {
+
+int64_t ceil_blocks(int64_t M) { return (M + kProjectionBlock - 1) / kProjectionBlock; }
+
+// Each token's f32 sum of squares over one block of rows of x (rows <= kProjectionBlock): 8 lanes,
+// lane l summing the rows l mod 8 in order, combined in the fixed order of simd::sum8, then the
+// scalar tail. 8 lanes in every instance (the 16-lane entry points included), so the two SIMD
+// paths give the same bits; at most 16 positive terms per lane, so the block sum is within a few
+// ulps, and the blocks are added in double as the projection's are.
+MHC_INLINE float block_squares(const float* x, int64_t rows) {
+  Lanes8 acc = {};
+  int64_t m = 0;
+  for (; m + kLanes <= rows; m += kLanes) {
+    Lanes8 v;
+    load(&v, x + m);
+    acc += v * v;
+  }
+  float tail = 0.0f;
+  for (; m < rows; ++m) tail += x[m] * x[m];
+  const float s0 = acc[0] + acc[4], s1 = acc[1] + acc[5], s2 = acc[2] + acc[6],
+              s3 = acc[3] + acc[7];
+  return ((s0 + s2) + (s1 + s3)) + tail;
+}
+
+// project_blocks with x at the first block's first row and rows of x `stride` floats apart: the
+// caller's tile (stride M) or a widened piece of it (stride: the piece's width).
+MHC_CLONES void project_blocks_at(const float* x, int64_t stride, int64_t tokens,
+                                  const FoldedWeight& w, int64_t block_begin, int64_t block_end,
+                                  float* sums, float* squares) {
   const int64_t M = w.M, N = w.N, NP = padded_width(N);
   thread_local std::vector<float> folded;
   if (folded.size() < static_cast<size_t>(kProjectionBlock * NP)) {
@@ -349,15 +378,20 @@ MHC_CLONES void project_blocks(const float* x, int64_t tokens, const FoldedWeigh
   float* W = folded.data();
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t m0 = b * kProjectionBlock, rows = std::min(kProjectionBlock, M - m0);
-    const float* xb = x + m0;
+    const float* xb = x + (b - block_begin) * kProjectionBlock;
     float* out = sums + (b - block_begin) * tokens * NP;
+    if (squares != nullptr) {
+      float* block = squares + (b - block_begin) * tokens;
+      for (int64_t t = 0; t < tokens; ++t) block[t] = block_squares(xb + t * stride, rows);
+    }
     if (N >= kLanes16 && wide_projection()) {
-      project_block_avx512(xb, tokens, M, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows, out);
+      project_block_avx512(xb, tokens, stride, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows,
+                           out);
       continue;
     }
     if (fold_in_registers(tokens, N)) {
-      project_rows_direct<Lanes8, 4>(xb, tokens, M, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows,
-                                     out);
+      project_rows_direct<Lanes8, 4>(xb, tokens, stride, w.norm_weight + m0, w.phi + m0 * N, N, NP,
+                                     rows, out);
       continue;
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -368,19 +402,85 @@ MHC_CLONES void project_blocks(const float* x, int64_t tokens, const FoldedWeigh
       for (int64_t c = N; c < NP; ++c) row[c] = 0.0f;
     }
     int64_t t = 0;
-    for (; t + 4 <= tokens; t += 4) project_tokens<4>(xb + t * M, M, W, NP, rows, out + t * NP);
+    // One or two vectors of columns (the head's N = n, small n): 8 tokens at a time, so that 8 or
+    // 16 independent accumulators cover the FMA latency.
+    if (NP <= 2 * kLanes) {
+      for (; t + 8 <= tokens; t += 8) {
+        project_tokens<8>(xb + t * stride, stride, W, NP, rows, out + t * NP);
+      }
+    }
+    for (; t + 4 <= tokens; t += 4) {
+      project_tokens<4>(xb + t * stride, stride, W, NP, rows, out + t * NP);
+    }
     const int64_t rest = tokens - t;
-    if (rest == 3) project_tokens<3>(xb + t * M, M, W, NP, rows, out + t * NP);
-    if (rest == 2) project_tokens<2>(xb + t * M, M, W, NP, rows, out + t * NP);
-    if (rest == 1) project_tokens<1>(xb + t * M, M, W, NP, rows, out + t * NP);
+    if (rest == 3) project_tokens<3>(xb + t * stride, stride, W, NP, rows, out + t * NP);
+    if (rest == 2) project_tokens<2>(xb + t * stride, stride, W, NP, rows, out + t * NP);
+    if (rest == 1) project_tokens<1>(xb + t * stride, stride, W, NP, rows, out + t * NP);
   }
 }
 
-void add_block_sums(const float* sums, int64_t blocks, int64_t tokens, int64_t NP, double* wide) {
+// Rows of x per widened piece of a bf16 tile in project(): kBlocksPerStep blocks.
+constexpr int64_t kBlocksPerStep = 4;
+
+// project() for either activation type: a few blocks at a time, so the block sums (and, for bf16,
+// the piece of the tile widened to f32) stay in L1 until they are added.
+template <class X>
+void project_any(const X* x, int64_t tokens, const FoldedWeight& w, float* P, double* squares) {
+  const int64_t M = w.M, NP = padded_width(w.N), blocks = ceil_blocks(M);
+  constexpr bool kWiden = std::is_same_v<X, bf16>;
+  constexpr int64_t kStepRows = kBlocksPerStep * kProjectionBlock;
+  thread_local std::vector<double> wide;
+  thread_local std::vector<float> sums, block_sq, piece;
+  wide.assign(static_cast<size_t>(tokens * NP), 0.0);
+  std::fill_n(squares, tokens, 0.0);
+  if (sums.size() < static_cast<size_t>(kBlocksPerStep * tokens * NP)) {
+    sums.resize(static_cast<size_t>(kBlocksPerStep * tokens * NP));
+  }
+  if (block_sq.size() < static_cast<size_t>(kBlocksPerStep * tokens)) {
+    block_sq.resize(static_cast<size_t>(kBlocksPerStep * tokens));
+  }
+  if (kWiden && piece.size() < static_cast<size_t>(tokens * kStepRows)) {
+    piece.resize(static_cast<size_t>(tokens * kStepRows));
+  }
+  for (int64_t b = 0; b < blocks; b += kBlocksPerStep) {
+    const int64_t end = std::min(blocks, b + kBlocksPerStep);
+    const int64_t m0 = b * kProjectionBlock, width = std::min(M, end * kProjectionBlock) - m0;
+    // The tile's rows are M apart, more streams than the hardware prefetcher follows: fetch the
+    // next step's lines while this one is projected (the tile's first reads from memory).
+    constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(X));
+    const int64_t ahead_end = std::min(M, m0 + width + kStepRows);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t ahead = m0 + width; ahead < ahead_end; ahead += kLine) {
+        __builtin_prefetch(x + t * M + ahead);
+      }
+    }
+    if constexpr (kWiden) {
+      for (int64_t t = 0; t < tokens; ++t) widen(x + t * M + m0, piece.data() + t * width, width);
+      project_blocks_at(piece.data(), width, tokens, w, b, end, sums.data(), block_sq.data());
+    } else {
+      project_blocks_at(x + m0, M, tokens, w, b, end, sums.data(), block_sq.data());
+    }
+    add_block_sums(sums.data(), block_sq.data(), end - b, tokens, NP, wide.data(), squares);
+  }
+  round_projection(wide.data(), tokens, w.N, P);
+}
+
+}  // namespace
+
+void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w, int64_t block_begin,
+                    int64_t block_end, float* sums, float* squares) {
+  project_blocks_at(x + block_begin * kProjectionBlock, w.M, tokens, w, block_begin, block_end,
+                    sums, squares);
+}
+
+void add_block_sums(const float* sums, const float* squares, int64_t blocks, int64_t tokens,
+                    int64_t NP, double* wide, double* wide_squares) {
   const int64_t count = tokens * NP;
   for (int64_t b = 0; b < blocks; ++b) {
     const float* block = sums + b * count;
     for (int64_t k = 0; k < count; ++k) wide[k] += static_cast<double>(block[k]);
+    const float* block_sq = squares + b * tokens;
+    for (int64_t t = 0; t < tokens; ++t) wide_squares[t] += static_cast<double>(block_sq[t]);
   }
 }
 
@@ -391,22 +491,12 @@ void round_projection(const double* wide, int64_t tokens, int64_t N, float* P) {
   }
 }
 
-void project(const float* x, int64_t tokens, const FoldedWeight& w, float* P) {
-  // A few blocks at a time, so the block sums stay in L1 before they are added.
-  constexpr int64_t kBlocksPerStep = 4;
-  const int64_t NP = padded_width(w.N), blocks = (w.M + kProjectionBlock - 1) / kProjectionBlock;
-  thread_local std::vector<double> wide;
-  thread_local std::vector<float> sums;
-  wide.assign(static_cast<size_t>(tokens * NP), 0.0);
-  if (sums.size() < static_cast<size_t>(kBlocksPerStep * tokens * NP)) {
-    sums.resize(static_cast<size_t>(kBlocksPerStep * tokens * NP));
-  }
-  for (int64_t b = 0; b < blocks; b += kBlocksPerStep) {
-    const int64_t end = std::min(blocks, b + kBlocksPerStep);
-    project_blocks(x, tokens, w, b, end, sums.data());
-    add_block_sums(sums.data(), end - b, tokens, NP, wide.data());
-  }
-  round_projection(wide.data(), tokens, w.N, P);
+void project(const float* x, int64_t tokens, const FoldedWeight& w, float* P, double* squares) {
+  project_any(x, tokens, w, P, squares);
+}
+
+void project(const bf16* x, int64_t tokens, const FoldedWeight& w, float* P, double* squares) {
+  project_any(x, tokens, w, P, squares);
 }
 
 MHC_CLONES void add_projection_grad(const float* dP, int64_t tokens, const FoldedWeight& w,

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "mhc/tensor.h"
+
 namespace mhc::cpu {
 
 // The parameters W is folded from: norm_weight [M] and phi [M, N] as the caller holds them.
@@ -44,20 +46,26 @@ int64_t padded_width(int64_t N);
 
 // Block sums of the projection for the blocks [block_begin, block_end) of kProjectionBlock rows:
 // sums[((b - block_begin) * tokens + t) * padded_width(N) + c] = f32 sum over the rows m of
-// block b of x[t*M + m] W[m, c] (padding columns hold garbage).
+// block b of x[t*M + m] W[m, c] (padding columns hold garbage), and, in the same sweep over the
+// block while it is in L1, squares[(b - block_begin) * tokens + t] = the f32 sum of x[t*M + m]^2
+// over those rows (8 lanes in a fixed order, whatever the SIMD path).
 void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w, int64_t block_begin,
-                    int64_t block_end, float* sums);
+                    int64_t block_end, float* sums, float* squares);
 
 // wide[t * NP + c] += the block sums of `blocks` consecutive blocks, widened to double, in block
-// order (NP = padded_width(N)).
-void add_block_sums(const float* sums, int64_t blocks, int64_t tokens, int64_t NP, double* wide);
+// order (NP = padded_width(N)); wide_squares[t] += their sums of squares, likewise.
+void add_block_sums(const float* sums, const float* squares, int64_t blocks, int64_t tokens,
+                    int64_t NP, double* wide, double* wide_squares);
 
 // P[t*N + c] = float(wide[t*NP + c]).
 void round_projection(const double* wide, int64_t tokens, int64_t N, float* P);
 
-// The whole projection P = x W on the calling thread: project_blocks over every block, added
-// with add_block_sums and rounded, the same numbers as any split of the blocks over threads.
-void project(const float* x, int64_t tokens, const FoldedWeight& w, float* P);
+// The whole projection P = x W of a tile of x ([tokens, M], row stride M) on the calling thread,
+// and each token's sum of squares of x (squares[t], in double): project_blocks over every block,
+// added with add_block_sums and rounded, the same numbers as any split of the blocks over threads.
+// A bf16 tile is widened a few blocks at a time into an L1-sized piece, never as a whole.
+void project(const float* x, int64_t tokens, const FoldedWeight& w, float* P, double* squares);
+void project(const bf16* x, int64_t tokens, const FoldedWeight& w, float* P, double* squares);
 
 // dx[t*M + m] += sum_c dP[t*N + c] W[m, c] for m in [m_begin, m_end), columns summed in order.
 // m_begin is a multiple of kInputGradBlock.

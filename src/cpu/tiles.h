@@ -60,33 +60,35 @@ inline void widen_columns(const bf16* x, int64_t tokens, int64_t M, int64_t m0, 
   for (int64_t t = 0; t < tokens; ++t) widen(x + t * M + m0, dst + t * M + m0, m1 - m0);
 }
 
-// Workspace of project_split_rows for tiles of up to `tile` tokens: the f32 block sums of every
-// block of rows, and their double total.
+// Workspace of project_split_rows for tiles of up to `tile` tokens (0 when the plan does not
+// split): the f32 block sums and sums of squares of every block of rows, and the double total of
+// the block sums.
 struct SplitRowsScratch {
-  float* sums;   // [blocks, tile, NP]
-  double* wide;  // [tile, NP]
+  float* sums;     // [blocks, tile, NP]
+  float* squares;  // [blocks, tile]
+  double* wide;    // [tile, NP]
 };
-inline size_t split_rows_bytes(int64_t tile, int64_t M, int64_t N) {
+template <class Taker>
+SplitRowsScratch take_split_rows(Taker& take, int64_t tile, int64_t M, int64_t N) {
+  const auto count = [](int64_t elements) { return static_cast<size_t>(elements); };
   const int64_t NP = padded_width(N), blocks = ceil_div(M, kProjectionBlock);
-  return Workspace::bytes_for<float>(static_cast<size_t>(blocks * tile * NP)) +
-         Workspace::bytes_for<double>(static_cast<size_t>(tile * NP));
-}
-inline SplitRowsScratch take_split_rows(Workspace& workspace, int64_t tile, int64_t M, int64_t N) {
-  const int64_t NP = padded_width(N), blocks = ceil_div(M, kProjectionBlock);
-  return {workspace.take<float>(static_cast<size_t>(blocks * tile * NP)),
-          workspace.take<double>(static_cast<size_t>(tile * NP))};
+  SplitRowsScratch scratch;
+  scratch.sums = take.template take<float>(count(blocks * tile * NP));
+  scratch.squares = take.template take<float>(count(blocks * tile));
+  scratch.wide = take.template take<double>(count(tile * NP));
+  return scratch;
 }
 
-// A tile with fewer tiles than threads to share: its projection P [tokens, N] split over the
-// threads by blocks of rows of W, each range widening its own columns of x (bf16) first. The
-// block sums are added in block order, so P has the same bits as project() on one thread.
-// Returns the tile of x as f32 (staging itself for bf16; staging then holds tokens x M).
+// A tile with fewer tiles than threads to share: its projection P [tokens, N] and sums of squares
+// [tokens] split over the threads by blocks of rows of W, each range widening its own columns of
+// x (bf16) first. The block sums are added in block order, so P and the squares have the same bits
+// as project() on one thread. Returns the tile of x as f32 (staging itself for bf16; staging then
+// holds tokens x M).
 template <class X>
 const float* project_split_rows(const X* x, int64_t tokens, const FoldedWeight& w, float* staging,
-                                float* P, const SplitRowsScratch& scratch) {
+                                float* P, double* squares, const SplitRowsScratch& scratch) {
   const int64_t M = w.M, NP = padded_width(w.N);
   const int64_t blocks = ceil_div(M, kProjectionBlock);
-  float* sums = scratch.sums;
   const float* xf = staging;
   if constexpr (std::is_same_v<X, float>) xf = x;
   ThreadPool& pool = ThreadPool::instance();
@@ -97,10 +99,12 @@ const float* project_split_rows(const X* x, int64_t tokens, const FoldedWeight& 
   pool.parallel_for(ranges, pool.threads(), [&](int64_t range, int) {
     const int64_t b0 = range * blocks / ranges, b1 = (range + 1) * blocks / ranges;
     widen_columns(x, tokens, M, b0 * kProjectionBlock, std::min(M, b1 * kProjectionBlock), staging);
-    project_blocks(xf, tokens, w, b0, b1, sums + b0 * tokens * NP);
+    project_blocks(xf, tokens, w, b0, b1, scratch.sums + b0 * tokens * NP,
+                   scratch.squares + b0 * tokens);
   });
   std::fill_n(scratch.wide, tokens * NP, 0.0);
-  add_block_sums(sums, blocks, tokens, NP, scratch.wide);
+  std::fill_n(squares, tokens, 0.0);
+  add_block_sums(scratch.sums, scratch.squares, blocks, tokens, NP, scratch.wide, squares);
   round_projection(scratch.wide, tokens, w.N, P);
   return xf;
 }

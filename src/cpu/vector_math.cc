@@ -65,23 +65,45 @@ MHC_CLONES double sum_squares(const float* x, int64_t count) {
   return simd::sum8(&lanes) + tail;
 }
 
-MHC_CLONES void weighted_rows(const float* rows, int64_t count, const float* weights, int64_t D,
-                              float* out) {
+namespace {
+
+inline float scalar(float v) { return v; }
+inline float scalar(bf16 v) { return to_float(v); }
+inline void put(float* p, float v) { *p = v; }
+inline void put(bf16* p, float v) { *p = to_bf16(v); }
+
+// weighted_rows for either activation type: f32 FMAs in the same order, the result rounded to X
+// once when stored (so a bf16 call gives the bits of the f32 call followed by narrow()).
+template <class X>
+MHC_INLINE void weighted_rows_any(const X* rows, int64_t count, const float* weights, int64_t D,
+                                  X* out) {
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes) {
     simd::Lanes8 acc{};
     for (int64_t r = 0; r < count; ++r) {
       simd::Lanes8 row;
-      simd::load(&row, rows + r * D + d);
+      simd::load_any(&row, rows + r * D + d);
       acc += weights[r] * row;
     }
-    simd::store(out + d, &acc);
+    simd::store_any(out + d, &acc);
   }
   for (; d < D; ++d) {
     float acc = 0.0f;
-    for (int64_t r = 0; r < count; ++r) acc += weights[r] * rows[r * D + d];
-    out[d] = acc;
+    for (int64_t r = 0; r < count; ++r) acc += weights[r] * scalar(rows[r * D + d]);
+    put(out + d, acc);
   }
+}
+
+}  // namespace
+
+MHC_CLONES void weighted_rows(const float* rows, int64_t count, const float* weights, int64_t D,
+                              float* out) {
+  weighted_rows_any(rows, count, weights, D, out);
+}
+
+MHC_CLONES void weighted_rows(const bf16* rows, int64_t count, const float* weights, int64_t D,
+                              bf16* out) {
+  weighted_rows_any(rows, count, weights, D, out);
 }
 
 MHC_CLONES void axpy(float a, const float* x, float* y, int64_t count) {

@@ -24,7 +24,9 @@ double sum_squares(const float* x, int64_t count);
 void axpy(float a, const float* x, float* y, int64_t count);  // y += a*x
 
 // out[d] = sum_r weights[r] * rows[r * D + d]: the pre-apply, a mix of at most 16 streams, in f32
-// FMA (a few ulps, inside the spec's bounds).
+// FMA (a few ulps, inside the spec's bounds). The bf16 form reads bf16 rows and rounds each out[d]
+// to bf16 once: the bits of the f32 form on the widened rows followed by narrow().
 void weighted_rows(const float* rows, int64_t count, const float* weights, int64_t D, float* out);
+void weighted_rows(const bf16* rows, int64_t count, const float* weights, int64_t D, bf16* out);
 
 }  // namespace mhc::cpu
