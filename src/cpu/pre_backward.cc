@@ -211,37 +211,26 @@ struct BackwardRun {
     }
   }
 
-  // The chunk's accumulator rows [m_begin, m_end), zeroed by the thread that first adds to them
-  // (so the zero-fill is spread over the workers, and so are the page faults of a fresh arena).
-  void zero_accumulator(int64_t chunk, int64_t m_begin, int64_t m_end) const {
-    if (plan.direct) return;
-    const int64_t N = dims.N, M = dims.M;
-    double* accumulator = work.G + chunk * N * M;
-    std::fill(accumulator + m_begin * N, accumulator + m_end * N, 0.0);
-  }
-
   // The second sweep over rows [m_begin, m_end) of the tile from t0 (m_begin a multiple of
   // kInputGradBlock): dx = dx_partial + H_pre dli - rms_term x + dP W^T, and the weight gradient
-  // of those rows, added to the chunk's G (or finished into dphi, dnorm_weight when direct).
+  // of those rows, added to the chunk's G (or finished into dphi, dnorm_weight when direct). The
+  // chunk's first tile stores its sums into G instead of adding them, so G is never zero-filled
+  // (the same bits: the chunks' sum starts from 0.0).
   void second_sweep(Slot& s, const float* xf, const float* dli, X* dx, int64_t t0, int64_t tokens,
-                    int64_t chunk, int64_t m_begin, int64_t m_end, int worker) const {
+                    int64_t chunk, bool first_in_chunk, int64_t m_begin, int64_t m_end,
+                    int worker) const {
     const int64_t n = dims.n, D = dims.D, M = dims.M, N = dims.N;
     float* dxf = f32_target(dx, s.dx);
     for (int64_t t = 0; t < tokens; ++t) {
-      float* dxt = dxf + t * M;
-      if (dims.pre_gates_only) {  // the head: no post, dx has only the pre terms
-        std::fill(dxt + m_begin, dxt + m_end, 0.0f);
-      } else {
-        const X* partial = post.dx_partial + (t0 + t) * M;
-        const float* dxp = as_f32(partial + m_begin, m_end - m_begin, dxt + m_begin);
-        if (dxp != dxt + m_begin) std::copy(dxp, dxp + (m_end - m_begin), dxt + m_begin);
-      }
+      // The head has no post: dx has only the pre terms.
+      const X* partial = dims.pre_gates_only ? nullptr : post.dx_partial + (t0 + t) * M;
       for (int64_t k = m_begin / D; k * D < m_end; ++k) {
         const int64_t d0 = std::max(m_begin, k * D) - k * D;
         const int64_t d1 = std::min(m_end, (k + 1) * D) - k * D;
-        axpy(s.h_pre[t * n + k], dli + t * D + d0, dxt + k * D + d0, d1 - d0);
+        const int64_t m = k * D + d0;
+        dx_terms(partial != nullptr ? partial + m : nullptr, s.h_pre[t * n + k], dli + t * D + d0,
+                 s.rms_term[t], xf + t * M + m, dxf + t * M + m, d1 - d0);
       }
-      axpy(-s.rms_term[t], xf + t * M + m_begin, dxt + m_begin, m_end - m_begin);
     }
     add_projection_grad(s.dP, tokens, weight, m_begin, m_end, dxf);
     float* S = work.weight_sums + worker * N * kWeightGradBlock;
@@ -255,7 +244,11 @@ struct BackwardRun {
                             grads.norm_weight);
       } else {
         double* block = work.G + chunk * N * M + m0 * N;
-        for (int64_t e = 0; e < N * width; ++e) block[e] += static_cast<double>(S[e]);
+        if (first_in_chunk) {
+          for (int64_t e = 0; e < N * width; ++e) block[e] = static_cast<double>(S[e]);
+        } else {
+          for (int64_t e = 0; e < N * width; ++e) block[e] += static_cast<double>(S[e]);
+        }
       }
     }
     for (int64_t t = 0; t < tokens; ++t) {
@@ -270,7 +263,6 @@ struct BackwardRun {
     ThreadPool::instance().parallel_for(plan.chunks, plan.workers, [&](int64_t chunk, int worker) {
       Slot& s = work.slots[static_cast<size_t>(worker)];
       WorkerState& ws = worker_states[static_cast<size_t>(worker)];
-      zero_accumulator(chunk, 0, M);
       for (int64_t task = plan.first_tile(chunk); task < plan.first_tile(chunk + 1); ++task) {
         const int64_t t0 = task * plan.tile;
         const int64_t tokens = std::min(plan.tile, T - t0);
@@ -279,7 +271,8 @@ struct BackwardRun {
         if (supplied.partials == nullptr) project(xf, tokens, weight, s.P, s.squares);
         for (int64_t t = 0; t < tokens; ++t) coefficient_token(s, ws, xf, dli, t0, t);
         add_token_sums(s, tokens, chunk);
-        second_sweep(s, xf, dli, source.dx_tile(t0, worker), t0, tokens, chunk, 0, M, worker);
+        second_sweep(s, xf, dli, source.dx_tile(t0, worker), t0, tokens, chunk,
+                     task == plan.first_tile(chunk), 0, M, worker);
         source.consume(t0, 0, tokens, worker);
       }
     });
@@ -313,9 +306,8 @@ struct BackwardRun {
         pool.parallel_for(row_tasks, plan.workers, [&](int64_t range, int worker) {
           const int64_t m_begin = range * row_blocks / row_tasks * kInputGradBlock;
           const int64_t m_end = std::min(M, (range + 1) * row_blocks / row_tasks * kInputGradBlock);
-          if (task == first) zero_accumulator(chunk, m_begin, m_end);
-          second_sweep(s, xf, dli, source.dx_tile(t0, 0), t0, tokens, chunk, m_begin, m_end,
-                       worker);
+          second_sweep(s, xf, dli, source.dx_tile(t0, 0), t0, tokens, chunk, task == first, m_begin,
+                       m_end, worker);
         });
         if (source.consumes()) {
           pool.parallel_for(tokens, plan.workers,

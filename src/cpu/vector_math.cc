@@ -106,6 +106,33 @@ MHC_CLONES void weighted_rows(const bf16* rows, int64_t count, const float* weig
   weighted_rows_any(rows, count, weights, D, out);
 }
 
+namespace {
+
+// dx_terms for either type of dx_partial (null: none, the head).
+template <class X>
+MHC_INLINE void dx_terms_any(const X* partial, float h_pre, const float* dli, float rms_term,
+                             const float* x, float* out, int64_t count) {
+  if (partial == nullptr) {
+    for (int64_t k = 0; k < count; ++k) out[k] = (0.0f + h_pre * dli[k]) + -rms_term * x[k];
+    return;
+  }
+  for (int64_t k = 0; k < count; ++k) {
+    out[k] = (scalar(partial[k]) + h_pre * dli[k]) + -rms_term * x[k];
+  }
+}
+
+}  // namespace
+
+MHC_CLONES void dx_terms(const float* partial, float h_pre, const float* dli, float rms_term,
+                         const float* x, float* out, int64_t count) {
+  dx_terms_any(partial, h_pre, dli, rms_term, x, out, count);
+}
+
+MHC_CLONES void dx_terms(const bf16* partial, float h_pre, const float* dli, float rms_term,
+                         const float* x, float* out, int64_t count) {
+  dx_terms_any(partial, h_pre, dli, rms_term, x, out, count);
+}
+
 MHC_CLONES void axpy(float a, const float* x, float* y, int64_t count) {
   for (int64_t k = 0; k < count; ++k) y[k] += a * x[k];
 }

@@ -23,6 +23,14 @@ double dot(const float* a, const float* b, int64_t count);
 double sum_squares(const float* x, int64_t count);
 void axpy(float a, const float* x, float* y, int64_t count);  // y += a*x
 
+// The pre backward's per-element terms of dx in one pass: out[k] = (partial[k] + h_pre * dli[k])
+// + -rms_term * x[k] (partial null: 0), contracted into FMAs as the axpy()s they replace were,
+// so the bits are those of copying partial, then axpy(h_pre, dli), then axpy(-rms_term, x).
+void dx_terms(const float* partial, float h_pre, const float* dli, float rms_term, const float* x,
+              float* out, int64_t count);
+void dx_terms(const bf16* partial, float h_pre, const float* dli, float rms_term, const float* x,
+              float* out, int64_t count);
+
 // out[d] = sum_r weights[r] * rows[r * D + d]: the pre-apply, a mix of at most 16 streams, in f32
 // FMA (a few ulps, inside the spec's bounds). The bf16 form reads bf16 rows and rounds each out[d]
 // to bf16 once: the bits of the f32 form on the widened rows followed by narrow().
