@@ -29,6 +29,7 @@
 
 #include "mhc/config.h"
 #include "mhc/ops.h"
+#include "mhc/roofline.h"
 #include "mhc/tensor.h"
 
 namespace {
@@ -52,7 +53,9 @@ enum class Op {
   boundary_forward,
   two_calls_forward,
   boundary_backward,
-  two_calls_backward
+  two_calls_backward,
+  head_forward,
+  head_backward
 };
 
 const char* op_name(Op op) {
@@ -65,6 +68,8 @@ const char* op_name(Op op) {
     case Op::two_calls_forward: return "two_calls_forward";
     case Op::boundary_backward: return "boundary_backward";
     case Op::two_calls_backward: return "two_calls_backward";
+    case Op::head_forward: return "head_forward";
+    case Op::head_backward: return "head_backward";
   }
   return "?";
 }
@@ -81,8 +86,41 @@ int64_t traffic_units(Op op, int64_t n) {
     case Op::two_calls_forward: return (2 * n + 1) + (n + 1);
     case Op::boundary_backward: return 3 * n + 3;
     case Op::two_calls_backward: return (3 * n + 1) + (3 * n + 2);
+    // spec: Head (read x, write out; backward: read x and dout, write dx)
+    case Op::head_forward: return n + 1;
+    case Op::head_backward: return 2 * n + 1;
   }
   return 0;
+}
+
+// FLOPs per token from the spec's formulas, as python/mhc/bench.py's flop_count counts them: the
+// projection (2 n D N, once forward, three times backward) and the per-element passes.
+double flops_per_token(Op op, int64_t n, int64_t D, int64_t N) {
+  const double projection = 2.0 * static_cast<double>(n * D * N);
+  const double head_projection = 2.0 * static_cast<double>(n * D * n);
+  const double nd = static_cast<double>(n * D);
+  switch (op) {
+    case Op::pre_forward: return projection + 2 * nd;
+    case Op::post_forward: return 2 * nd * static_cast<double>(n + 1);
+    case Op::post_backward: return 4 * nd + 4 * nd * static_cast<double>(n);
+    case Op::pre_backward: return 3 * projection + 8 * nd;
+    case Op::boundary_forward:
+    case Op::two_calls_forward:
+      return flops_per_token(Op::pre_forward, n, D, N) + flops_per_token(Op::post_forward, n, D, N);
+    case Op::boundary_backward:
+    case Op::two_calls_backward:
+      return flops_per_token(Op::pre_backward, n, D, N) +
+             flops_per_token(Op::post_backward, n, D, N);
+    case Op::head_forward: return head_projection + 2 * nd;
+    case Op::head_backward: return 3 * head_projection + 6 * nd;
+  }
+  return 0.0;
+}
+
+// The FMA peak of mhc/roofline.h (GFLOP/s, the library's threads), measured once when first asked.
+double fma_peak() {
+  static const double peak = mhc::fma_peak_gflops();
+  return peak;
 }
 
 struct Case {
@@ -147,6 +185,8 @@ struct Workspace {
   std::vector<float> h_pre, h_post, h_res, dh_post, dh_res;
   // The boundary's: the next sublayer's coefficients, this sublayer's coefficient gradients.
   std::vector<float> next_h_pre, next_h_post, next_h_res, post_dh_post, post_dh_res;
+  // The head's parameters (fn [n, M], base [n], scale [1]) and their gradients.
+  std::vector<float> fn, base, scale, d_fn, d_base, d_scale;
   // Activations in the case's dtype.
   Activation x, layer_in, layer_out, out, g, dx_partial, dlayer_out, dlayer_in, dx;
 
@@ -195,6 +235,14 @@ struct Workspace {
     next_h_res.assign(h_res.size(), 0.0f);
     post_dh_post.assign(h_pre.size(), 0.0f);
     post_dh_res.assign(h_res.size(), 0.0f);
+    fn.resize(static_cast<size_t>(n * M));
+    for (float& v : fn) v = phi_scale * noise.next();
+    base.resize(static_cast<size_t>(n));
+    for (float& v : base) v = noise.next();
+    scale = {1.0f};
+    d_fn.assign(fn.size(), 0.0f);
+    d_base.assign(base.size(), 0.0f);
+    d_scale.assign(1, 0.0f);
 
     x.randomize(noise);
     layer_out.randomize(noise);  // stands in for F(layer_in)
@@ -212,6 +260,11 @@ struct Workspace {
   mhc::Params params() const {
     return {mhc::TensorRef(norm_weight.data(), {M}), mhc::TensorRef(phi.data(), {M, N}),
             mhc::TensorRef(alpha.data(), {3}), mhc::TensorRef(bias.data(), {N})};
+  }
+
+  mhc::HeadParams head_params() const {
+    return {mhc::TensorRef(fn.data(), {n, M}), mhc::TensorRef(base.data(), {n}),
+            mhc::TensorRef(scale.data(), {1})};
   }
 
   mhc::ParamGrads grads() {
@@ -256,6 +309,16 @@ struct Workspace {
                           out.ref({T, n, D}), params(), g.ref({T, n, D}), grads());
         mhc::post_backward(config, g.ref({T, n, D}), x.ref({T, n, D}), layer_out.ref({T, D}), hp,
                            hr, boundary_post_outputs());
+        break;
+      case Op::head_forward:  // out in layer_in, gates in h_pre
+        mhc::head_forward(config, x.ref({T, n, D}), head_params(), layer_in.ref({T, D}),
+                          mhc::MutableTensorRef(h_pre.data(), {T, n}));
+        break;
+      case Op::head_backward:  // dout in dlayer_in
+        mhc::head_backward(
+            config, dlayer_in.ref({T, D}), x.ref({T, n, D}), head_params(), dx.ref({T, n, D}),
+            {mhc::MutableTensorRef(d_fn.data(), {n, M}), mhc::MutableTensorRef(d_base.data(), {n}),
+             mhc::MutableTensorRef(d_scale.data(), {1})});
         break;
       case Op::pre_forward:
         mhc::pre_forward(config, x.ref({T, n, D}), params(),
@@ -313,7 +376,9 @@ void set_traffic(benchmark::State& state, double bytes_per_iteration) {
   state.counters["GB/s"] = benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsRate);
 }
 
-void BM_op(benchmark::State& state, Op op, Case c) {
+// roofline: also report fraction_of_roofline (the roofline/ rows; measuring the FMA peak costs a
+// second, once).
+void time_op(benchmark::State& state, Op op, const Case& c, bool roofline) {
   Workspace& ws = workspace_for(c);
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) ws.run(op);
@@ -329,12 +394,25 @@ void BM_op(benchmark::State& state, Op op, Case c) {
       op == Op::pre_backward || op == Op::boundary_backward || op == Op::two_calls_backward;
   if (pre_forward_inside) bytes += phi_bytes;
   if (pre_backward_inside) bytes += 2.0 * phi_bytes;
+  const double fn_bytes = static_cast<double>(ws.n * ws.M * 4);  // the head's fn, like phi
+  if (op == Op::head_forward) bytes += fn_bytes;
+  if (op == Op::head_backward) bytes += 2.0 * fn_bytes;
   set_traffic(state, bytes);
   if (g_copy_gbps > 0.0 && elapsed > 0.0) {
-    const double gbps = bytes * static_cast<double>(state.iterations()) / elapsed / 1e9;
-    state.counters["fraction_of_copy"] = gbps / g_copy_gbps;
+    const double seconds = elapsed / static_cast<double>(state.iterations());
+    state.counters["fraction_of_copy"] = bytes / seconds / 1e9 / g_copy_gbps;
+    // The roofline floor max(bytes / copy, FLOPs / FMA peak) over the time.
+    if (roofline) {
+      const double flops = flops_per_token(op, ws.n, ws.D, ws.N) * static_cast<double>(ws.T);
+      const double floor = std::max(bytes / (g_copy_gbps * 1e9), flops / (fma_peak() * 1e9));
+      state.counters["fraction_of_roofline"] = floor / seconds;
+      state.counters["fma_peak_gflops"] = fma_peak();
+    }
   }
 }
+
+void BM_op(benchmark::State& state, Op op, Case c) { time_op(state, op, c, false); }
+void BM_roofline(benchmark::State& state, Op op, Case c) { time_op(state, op, c, true); }
 
 // Copies kCopyBytes split into `threads` contiguous chunks, one std::thread each (the calling
 // thread takes the first chunk).
@@ -408,6 +486,19 @@ void register_all() {
                                "/T:" + std::to_string(c.tokens);
       benchmark::RegisterBenchmark(name.c_str(), BM_op, op, c)
           ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+  }
+
+  // The roofline shape (T = 8192, n = 4, D = 4096): the pre operations and the head, with
+  // their fraction of the roofline floor.
+  for (mhc::DType dtype : {mhc::DType::f32, mhc::DType::bf16}) {
+    const Case c{dtype, 4096, mhc::Mix::sinkhorn, 8192};
+    for (Op op : {Op::pre_forward, Op::pre_backward, Op::head_forward, Op::head_backward}) {
+      const std::string name =
+          std::string("roofline/") + op_name(op) + "/" + mhc::to_string(c.dtype) + "/D:4096/T:8192";
+      benchmark::RegisterBenchmark(name.c_str(), BM_roofline, op, c)
+          ->Unit(benchmark::kMillisecond)
           ->UseRealTime();
     }
   }
