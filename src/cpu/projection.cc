@@ -345,24 +345,124 @@ namespace {
 
 int64_t ceil_blocks(int64_t M) { return (M + kProjectionBlock - 1) / kProjectionBlock; }
 
-// Each token's f32 sum of squares over one block of rows of x (rows <= kProjectionBlock): 8 lanes,
-// lane l summing the rows l mod 8 in order, combined in the fixed order of simd::sum8, then the
-// scalar tail. 8 lanes in every instance (the 16-lane entry points included), so the two SIMD
-// paths give the same bits; at most 16 positive terms per lane, so the block sum is within a few
-// ulps, and the blocks are added in double as the projection's are.
+// Sixteen f32 lanes (one AVX-512 register, two AVX ones in the v3 clone, four SSE ones in the
+// baseline): the lane structure of the sums below, so every instance sums the same way.
+using simd::Lanes16;
+
+MHC_INLINE void load16(Lanes16* v, const float* p) {
+  *v = *reinterpret_cast<const simd::UnalignedLanes16*>(p);
+}
+
+// The 16 lanes' sum in one fixed order (halving: lane i + lane i + 8, then + 4, + 2, + 1).
+MHC_INLINE float sum16(const Lanes16* v) {
+  const Lanes16& a = *v;
+  float h8[8], h4[4];
+  for (int i = 0; i < 8; ++i) h8[i] = a[i] + a[i + 8];
+  for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
+  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+}
+
+// Each token's f32 sum of squares over one block of rows of x (rows <= kProjectionBlock): lane l
+// of 16 sums the rows l mod 16 in order, the lanes are added by sum16, then the scalar tail in
+// order. At most 8 positive terms per lane, so the block sum is within a few ulps; the blocks are
+// added in double as the projection's are. The narrow projection below computes the same sums
+// from the same loads.
 MHC_INLINE float block_squares(const float* x, int64_t rows) {
-  Lanes8 acc = {};
+  Lanes16 acc = {};
   int64_t m = 0;
-  for (; m + kLanes <= rows; m += kLanes) {
-    Lanes8 v;
-    load(&v, x + m);
+  for (; m + kLanes16 <= rows; m += kLanes16) {
+    Lanes16 v;
+    load16(&v, x + m);
     acc += v * v;
   }
   float tail = 0.0f;
   for (; m < rows; ++m) tail += x[m] * x[m];
-  const float s0 = acc[0] + acc[4], s1 = acc[1] + acc[5], s2 = acc[2] + acc[6],
-              s3 = acc[3] + acc[7];
-  return ((s0 + s2) + (s1 + s3)) + tail;
+  return sum16(&acc) + tail;
+}
+
+// The projection of a narrow W (N <= 8: the head's N = n, and small n) as dot products along the
+// rows: lanes over m, one accumulator per token and column, so no lane is padding. TB tokens from
+// x (rows `stride` apart) over one block of `rows` rows of Wt, the block of W transposed and
+// folded ([N][kProjectionBlock]). The block sum of column c is sum16 of its lanes (lane l summing
+// the rows l mod 16 in order) plus the scalar tail, the same whatever TB or the instance; each
+// token's sum of squares comes from the same loads, as block_squares computes it.
+template <int TB, int NC>
+MHC_INLINE void project_narrow_tokens(const float* x, int64_t stride, const float* Wt, int64_t NP,
+                                      int64_t rows, float* sums, float* squares) {
+  Lanes16 acc[TB][NC] = {};
+  Lanes16 sq[TB] = {};
+  int64_t m = 0;
+  for (; m + kLanes16 <= rows; m += kLanes16) {
+    Lanes16 xv[TB];
+    for (int t = 0; t < TB; ++t) {
+      load16(&xv[t], x + t * stride + m);
+      sq[t] += xv[t] * xv[t];
+    }
+    for (int c = 0; c < NC; ++c) {
+      Lanes16 w;
+      load16(&w, Wt + c * kProjectionBlock + m);
+      for (int t = 0; t < TB; ++t) acc[t][c] += xv[t] * w;
+    }
+  }
+  for (int t = 0; t < TB; ++t) {
+    const float* xt = x + t * stride;
+    float tail = 0.0f;
+    for (int64_t r = m; r < rows; ++r) tail += xt[r] * xt[r];
+    squares[t] = sum16(&sq[t]) + tail;
+    for (int c = 0; c < NC; ++c) {
+      float column_tail = 0.0f;
+      for (int64_t r = m; r < rows; ++r) column_tail += xt[r] * Wt[c * kProjectionBlock + r];
+      sums[t * NP + c] = sum16(&acc[t][c]) + column_tail;
+    }
+  }
+}
+
+// Every token of one block of a narrow projection of NC columns: kMaxTokens at a time (four
+// tokens of up to four columns, or two, in the 16-lane instance; one in the others, whose 16
+// registers hold one token's accumulators), then one. Wt as in project_narrow_tokens.
+template <int kMaxTokens, int NC>
+MHC_INLINE void project_narrow_columns(const float* x, int64_t stride, int64_t tokens,
+                                       const float* Wt, int64_t NP, int64_t rows, float* sums,
+                                       float* squares) {
+  constexpr int kTokens = kMaxTokens == 1 ? 1 : (NC <= 4 ? kMaxTokens : 2);
+  int64_t t = 0;
+  for (; t + kTokens <= tokens; t += kTokens) {
+    project_narrow_tokens<kTokens, NC>(x + t * stride, stride, Wt, NP, rows, sums + t * NP,
+                                       squares + t);
+  }
+  for (; t < tokens; ++t) {
+    project_narrow_tokens<1, NC>(x + t * stride, stride, Wt, NP, rows, sums + t * NP, squares + t);
+  }
+}
+
+template <int kMaxTokens>
+MHC_INLINE void project_narrow(const float* x, int64_t stride, int64_t tokens, const float* Wt,
+                               int64_t N, int64_t NP, int64_t rows, float* sums, float* squares) {
+  switch (N) {
+    case 1:
+      return project_narrow_columns<kMaxTokens, 1>(x, stride, tokens, Wt, NP, rows, sums, squares);
+    case 2:
+      return project_narrow_columns<kMaxTokens, 2>(x, stride, tokens, Wt, NP, rows, sums, squares);
+    case 3:
+      return project_narrow_columns<kMaxTokens, 3>(x, stride, tokens, Wt, NP, rows, sums, squares);
+    case 4:
+      return project_narrow_columns<kMaxTokens, 4>(x, stride, tokens, Wt, NP, rows, sums, squares);
+    case 5:
+      return project_narrow_columns<kMaxTokens, 5>(x, stride, tokens, Wt, NP, rows, sums, squares);
+    case 6:
+      return project_narrow_columns<kMaxTokens, 6>(x, stride, tokens, Wt, NP, rows, sums, squares);
+    case 7:
+      return project_narrow_columns<kMaxTokens, 7>(x, stride, tokens, Wt, NP, rows, sums, squares);
+    default:
+      return project_narrow_columns<kMaxTokens, 8>(x, stride, tokens, Wt, NP, rows, sums, squares);
+  }
+}
+
+// The 16-lane instance (wide_projection()): several tokens' accumulators in its 32 registers.
+MHC_AVX512 void project_narrow_avx512(const float* x, int64_t stride, int64_t tokens,
+                                      const float* Wt, int64_t N, int64_t NP, int64_t rows,
+                                      float* sums, float* squares) {
+  project_narrow<4>(x, stride, tokens, Wt, N, NP, rows, sums, squares);
 }
 
 // project_blocks with x at the first block's first row and rows of x `stride` floats apart: the
@@ -380,10 +480,22 @@ MHC_CLONES void project_blocks_at(const float* x, int64_t stride, int64_t tokens
     const int64_t m0 = b * kProjectionBlock, rows = std::min(kProjectionBlock, M - m0);
     const float* xb = x + (b - block_begin) * kProjectionBlock;
     float* out = sums + (b - block_begin) * tokens * NP;
-    if (squares != nullptr) {
-      float* block = squares + (b - block_begin) * tokens;
-      for (int64_t t = 0; t < tokens; ++t) block[t] = block_squares(xb + t * stride, rows);
+    float* block_sq = squares + (b - block_begin) * tokens;
+    if (N <= kLanes) {
+      // W^T of the block, folded; rows past the block's end never read.
+      for (int64_t r = 0; r < rows; ++r) {
+        const float scale = w.norm_weight[m0 + r];
+        for (int64_t c = 0; c < N; ++c)
+          W[c * kProjectionBlock + r] = scale * w.phi[(m0 + r) * N + c];
+      }
+      if (wide_projection()) {
+        project_narrow_avx512(xb, stride, tokens, W, N, NP, rows, out, block_sq);
+      } else {
+        project_narrow<1>(xb, stride, tokens, W, N, NP, rows, out, block_sq);
+      }
+      continue;
     }
+    for (int64_t t = 0; t < tokens; ++t) block_sq[t] = block_squares(xb + t * stride, rows);
     if (N >= kLanes16 && wide_projection()) {
       project_block_avx512(xb, tokens, stride, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows,
                            out);
