@@ -112,8 +112,16 @@ namespace {
 template <class X>
 MHC_INLINE void dx_terms_any(const X* partial, float h_pre, const float* dli, float rms_term,
                              const float* x, float* out, int64_t count) {
+  if (partial == nullptr && dli == nullptr) {
+    for (int64_t k = 0; k < count; ++k) out[k] = 0.0f + -rms_term * x[k];
+    return;
+  }
   if (partial == nullptr) {
     for (int64_t k = 0; k < count; ++k) out[k] = (0.0f + h_pre * dli[k]) + -rms_term * x[k];
+    return;
+  }
+  if (dli == nullptr) {
+    for (int64_t k = 0; k < count; ++k) out[k] = scalar(partial[k]) + -rms_term * x[k];
     return;
   }
   for (int64_t k = 0; k < count; ++k) {

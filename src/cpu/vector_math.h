@@ -24,8 +24,9 @@ double sum_squares(const float* x, int64_t count);
 void axpy(float a, const float* x, float* y, int64_t count);  // y += a*x
 
 // The pre backward's per-element terms of dx in one pass: out[k] = (partial[k] + h_pre * dli[k])
-// + -rms_term * x[k] (partial null: 0), contracted into FMAs as the axpy()s they replace were,
-// so the bits are those of copying partial, then axpy(h_pre, dli), then axpy(-rms_term, x).
+// + -rms_term * x[k] (partial null: 0; dli null: no h_pre term, for a stream the pre-apply does
+// not read), contracted into FMAs as the axpy()s they replace were, so the bits are those of
+// copying partial, then axpy(h_pre, dli), then axpy(-rms_term, x).
 void dx_terms(const float* partial, float h_pre, const float* dli, float rms_term, const float* x,
               float* out, int64_t count);
 void dx_terms(const bf16* partial, float h_pre, const float* dli, float rms_term, const float* x,
