@@ -196,10 +196,11 @@ def gelu(u):
     """``jax.nn.gelu`` (tanh form) whose backward keeps only its input u and derives the gradient
     from it. JAX's autodiff keeps several [.., 4 D] intermediates (u^3, the tanh, ...), which XLA
     must store once they cross ``jax.checkpoint``'s barrier (mHC's recompute groups): 14.5 MiB of
-    the 16 sublayers' f32 temporaries at D = 128. Without a checkpoint XLA merges this backward's
-    recomputation with the forward's gelu and still keeps the tanh (f32) or three bf16-rounded
-    intermediates per MLP (seen in the buffer assignment; an optimization barrier on u here would
-    stop that, not done yet). Same values and gradients as ``jax.nn.gelu``."""
+    the 16 sublayers' f32 temporaries at D = 128. The backward reads u through an optimization
+    barrier: without it XLA merges the backward's recomputation with the forward's gelu and keeps
+    the tanh (f32) or three bf16-rounded intermediates per MLP until the backward (seen in the
+    buffer assignment), whether or not a checkpoint is around. Same values and gradients as
+    ``jax.nn.gelu``."""
     return jax.nn.gelu(u)
 
 
@@ -208,7 +209,9 @@ def _gelu_fwd(u):
 
 
 def _gelu_bwd(u, d_out):
-    return jax.vjp(jax.nn.gelu, u)[1](d_out)
+    # The barrier keeps XLA from computing this backward's intermediates with the forward's gelu
+    # (and so storing them from the forward on); it recomputes them here from u.
+    return jax.vjp(jax.nn.gelu, jax.lax.optimization_barrier(u))[1](d_out)
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
