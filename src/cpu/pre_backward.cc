@@ -193,6 +193,15 @@ struct BackwardRun {
       ws.dh_pre[k] = supplied.dh_pre != nullptr ? supplied.dh_pre[token * n + k]
                                                 : dot(xt + k * D, dli + t * D, D);
     }
+    if (supplied.dcarried != nullptr) {  // V4.1: <x_k, dli> is the carried mix's cotangent
+      for (int64_t k = 0; k < n; ++k) {
+        supplied.dcarried[token * n + k] = static_cast<float>(dot(xt + k * D, dli + t * D, D));
+      }
+    }
+    // The second sweep's pre-apply weights: the carried mix replaces the gates just computed.
+    if (supplied.mix.carried) {
+      std::copy_n(supplied.mix.row(token, n, pre), supplied.mix.streams(n), pre);
+    }
     double* sums = s.token_sums + t * (3 + N);
     std::fill_n(sums, 3 + N, 0.0);
     double dr = 0.0;
@@ -237,7 +246,7 @@ struct BackwardRun {
         const float* dxp = as_f32(partial + m_begin, m_end - m_begin, dxt + m_begin);
         if (dxp != dxt + m_begin) std::copy(dxp, dxp + (m_end - m_begin), dxt + m_begin);
       }
-      for (int64_t k = m_begin / D; k * D < m_end; ++k) {
+      for (int64_t k = m_begin / D; k * D < m_end && k < supplied.mix.streams(n); ++k) {
         const int64_t d0 = std::max(m_begin, k * D) - k * D;
         const int64_t d1 = std::min(m_end, (k + 1) * D) - k * D;
         axpy(s.h_pre[t * n + k], dli + t * D + d0, dxt + k * D + d0, d1 - d0);
@@ -487,6 +496,31 @@ void pre_backward_finish(const Config& config, const detail::Dims& dims, const T
                          const ParamGrads& grads) {
   run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x, Supplied{partials, dh_pre},
           params, dx, grads);
+}
+
+}  // namespace mhc::cpu
+
+namespace mhc::cpu {
+
+void pre_backward_carried(const Config& config, const detail::Dims& dims,
+                          const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                          const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
+                          const TensorRef& x, const float* carried, const Params& params,
+                          const MutableTensorRef& dx, float* dcarried, const ParamGrads& grads) {
+  // With the one-hot (carried null) there is no dcarried: the <x_k, dli> go nowhere.
+  run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x,
+          Supplied{nullptr, dh_pre, PreApplyMix{true, carried}, carried ? dcarried : nullptr},
+          params, dx, grads);
+}
+
+void pre_backward_finish_carried(const Config& config, const detail::Dims& dims,
+                                 const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                                 const float* dh_pre, const TensorRef& dh_post,
+                                 const TensorRef& dh_res, const TensorRef& x, const float* partials,
+                                 const float* carried, const Params& params,
+                                 const MutableTensorRef& dx, const ParamGrads& grads) {
+  run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x,
+          Supplied{partials, dh_pre, PreApplyMix{true, carried}, nullptr}, params, dx, grads);
 }
 
 }  // namespace mhc::cpu

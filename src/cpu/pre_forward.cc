@@ -83,7 +83,7 @@ template <class X>
 void finish_token(const Config& config, const detail::Dims& dims, const float* supplied_partials,
                   const float* xf, const float* P_tile, int64_t t0, int64_t t,
                   TokenCoefficients& coefficients, float* layer_in_staging,
-                  const PreForwardOut<X>& out) {
+                  const PreForwardOut<X>& out, const PreApplyMix& mix) {
   const int64_t n = dims.n, D = dims.D, M = dims.M, N = dims.N;
   const int64_t token = t0 + t;
   const float* xt = xf + t * M;
@@ -103,7 +103,7 @@ void finish_token(const Config& config, const detail::Dims& dims, const float* s
     coefficients.forward(P, r, pre, out.h_post + token * n, out.h_res + token * n * n);
   }
   float* li = f32_target(out.layer_in + token * D, layer_in_staging);
-  weighted_rows(xt, n, pre, D, li);
+  weighted_rows(xt, mix.streams(n), mix.row(token, n, pre), D, li);
   store_from(li, out.layer_in + token * D, D);
 }
 
@@ -144,14 +144,15 @@ void run_partials(const detail::Dims& dims, const X* x, const FoldedWeight& weig
 
 void run_any(const Config& config, const detail::Dims& dims, const TensorRef& x,
              const PreWeights& weights, const float* supplied_partials,
-             const PreForwardOutputs& outputs) {
+             const PreForwardOutputs& outputs, const PreApplyMix& mix = {}) {
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
     MemoryTiles<X> source(static_cast<const X*>(x.data), nullptr, dims.M);
     pre_forward_tiles<X>(
         config, dims, weights, supplied_partials, source,
         {static_cast<X*>(outputs.layer_in.data), static_cast<float*>(outputs.h_pre.data),
-         static_cast<float*>(outputs.h_post.data), static_cast<float*>(outputs.h_res.data)});
+         static_cast<float*>(outputs.h_post.data), static_cast<float*>(outputs.h_res.data)},
+        mix);
   });
 }
 
@@ -160,7 +161,7 @@ void run_any(const Config& config, const detail::Dims& dims, const TensorRef& x,
 template <class X>
 void pre_forward_tiles(const Config& config, const detail::Dims& dims, const PreWeights& weights,
                        const float* supplied_partials, TileSource<X>& source,
-                       const PreForwardOut<X>& out) {
+                       const PreForwardOut<X>& out, const PreApplyMix& mix) {
   const int64_t T = dims.T, M = dims.M;
   if (T == 0) return;
   const ForwardPlan plan = plan_forward(dims, supplied_partials == nullptr);
@@ -177,7 +178,7 @@ void pre_forward_tiles(const Config& config, const detail::Dims& dims, const Pre
   }
   auto finish = [&](const float* xf, const float* P, int64_t t0, int64_t t, int worker) {
     finish_token(config, dims, supplied_partials, xf, P, t0, t,
-                 coefficients[static_cast<size_t>(worker)], work.layer_in[worker], out);
+                 coefficients[static_cast<size_t>(worker)], work.layer_in[worker], out, mix);
   };
 
   ThreadPool& pool = ThreadPool::instance();
@@ -202,9 +203,10 @@ void pre_forward_tiles(const Config& config, const detail::Dims& dims, const Pre
 
 template void pre_forward_tiles<float>(const Config&, const detail::Dims&, const PreWeights&,
                                        const float*, TileSource<float>&,
-                                       const PreForwardOut<float>&);
+                                       const PreForwardOut<float>&, const PreApplyMix&);
 template void pre_forward_tiles<bf16>(const Config&, const detail::Dims&, const PreWeights&,
-                                      const float*, TileSource<bf16>&, const PreForwardOut<bf16>&);
+                                      const float*, TileSource<bf16>&, const PreForwardOut<bf16>&,
+                                      const PreApplyMix&);
 
 PreWeights pre_weights(const Params& params) {
   return PreWeights{static_cast<const float*>(params.norm_weight.data),
@@ -233,6 +235,23 @@ void pre_forward_finish(const Config& config, const detail::Dims& dims, const Te
                         const float* partials, const float* alpha, const float* bias,
                         const PreForwardOutputs& outputs) {
   run_any(config, dims, x, PreWeights{nullptr, nullptr, alpha, bias}, partials, outputs);
+}
+
+}  // namespace mhc::cpu
+
+namespace mhc::cpu {
+
+void pre_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                         const float* carried, const Params& params,
+                         const PreForwardOutputs& outputs) {
+  run_any(config, dims, x, pre_weights(params), nullptr, outputs, PreApplyMix{true, carried});
+}
+
+void pre_forward_finish_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                                const float* partials, const float* carried, const float* alpha,
+                                const float* bias, const PreForwardOutputs& outputs) {
+  run_any(config, dims, x, PreWeights{nullptr, nullptr, alpha, bias}, partials, outputs,
+          PreApplyMix{true, carried});
 }
 
 }  // namespace mhc::cpu
