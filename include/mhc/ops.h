@@ -177,7 +177,9 @@ MHC_API void pre_backward_carried(const Config& config, const TensorRef& dlayer_
                                   const MutableTensorRef& dcarried, const ParamGrads& grads);
 
 // The final collapse, no parameters: out[t, d] = sum_k carried[t, k] x[t, k, d], out [T, D] in x's
-// dtype (the same sum, and bits, as pre_forward_carried's layer_in).
+// dtype (the same sum, and bits, as pre_forward_carried's layer_in). Local in D: with D split
+// (config.tensor_parallel > 1) both collapse operations take this slice's tensors, and
+// collapse_backward's dcarried is then this slice's partial sum, to be all-reduced by the caller.
 MHC_API void collapse_forward(const Config& config, const TensorRef& x, const TensorRef& carried,
                               const MutableTensorRef& out);
 

@@ -45,9 +45,10 @@ void forward_tokens(const detail::Dims& dims, const X* x, const PreApplyMix& mix
   // Per worker, one token widened: x [M] and out [D].
   const size_t per_worker = kWiden ? static_cast<size_t>(M + D) : 0;
   over_token_tiles(dims, per_worker, [&](int64_t begin, int64_t end, float* staging) {
+    float* out_staging = kWiden ? staging + M : nullptr;  // f32 has no staging (null)
     for (int64_t t = begin; t < end; ++t) {
       const float* xt = as_f32(x + t * M, mix.streams(n) * D, staging);
-      float* ot = f32_target(out + t * D, staging + M);
+      float* ot = f32_target(out + t * D, out_staging);
       weighted_rows(xt, mix.streams(n), mix.row(t, n, nullptr), D, ot);
       store_from(ot, out + t * D, D);
     }
@@ -62,9 +63,11 @@ void backward_tokens(const detail::Dims& dims, const X* dout, const X* x, const 
   // Per worker, one token widened: x [M], dout [D] and dx [M].
   const size_t per_worker = kWiden ? static_cast<size_t>(2 * M + D) : 0;
   over_token_tiles(dims, per_worker, [&](int64_t begin, int64_t end, float* staging) {
+    float* dout_staging = kWiden ? staging + M : nullptr;  // f32 has no staging (null)
+    float* dx_staging = kWiden ? staging + M + D : nullptr;
     for (int64_t t = begin; t < end; ++t) {
-      const float* g = as_f32(dout + t * D, D, staging + M);
-      float* dxt = f32_target(dx + t * M, staging + M + D);
+      const float* g = as_f32(dout + t * D, D, dout_staging);
+      float* dxt = f32_target(dx + t * M, dx_staging);
       const float* weights = mix.row(t, n, nullptr);
       std::fill(dxt, dxt + M, 0.0f);
       for (int64_t k = 0; k < mix.streams(n); ++k) axpy(weights[k], g, dxt + k * D, D);

@@ -586,6 +586,62 @@ TEST(CarriedBatchInvariance, ForwardOutputsPerToken) {
   }
 }
 
+// The collapse is local in D: with D split in two (tensor_parallel = 2) each slice's out and dx are
+// the bits of the whole call's, and the slices' dcarried add up to the whole one's.
+TEST(CarriedCollapse, SplitOverD) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    Config config;
+    config.n = 3;
+    config.dim = 260;
+    const int64_t n = 3, D = 260, Dl = 130, T = 5;
+    const uint64_t seed = fresh_seed();
+    std::mt19937_64 rng(seed);
+    SCOPED_TRACE(describe(config, T, dtype) + ", seed " + std::to_string(seed));
+    const Vec xv = round_to(dtype, random_normal(rng, T * n * D));
+    const Vec doutv = round_to(dtype, random_normal(rng, T * D));
+    const HostTensor carried = HostTensor::from(DType::f32, {T, n}, random_normal(rng, T * n));
+    const HostTensor x = HostTensor::from(dtype, {T, n, D}, xv);
+    const HostTensor dout = HostTensor::from(dtype, {T, D}, doutv);
+    HostTensor out(dtype, {T, D}), dx(dtype, {T, n, D}), dcarried(DType::f32, {T, n});
+    collapse_forward(config, x.ref(), carried.ref(), out.mut());
+    collapse_backward(config, dout.ref(), x.ref(), carried.ref(), dx.mut(), dcarried.mut());
+    const Vec whole_out = out.to_double(), whole_dx = dx.to_double();
+    Vec summed(static_cast<size_t>(T * n), 0.0);
+    Config split = config;
+    split.tensor_parallel = 2;
+    for (int64_t slice = 0; slice < 2; ++slice) {
+      Vec xs, douts;
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t k = 0; k < n; ++k) {
+          const auto row = xv.begin() + (t * n + k) * D + slice * Dl;
+          xs.insert(xs.end(), row, row + Dl);
+        }
+        const auto row = doutv.begin() + t * D + slice * Dl;
+        douts.insert(douts.end(), row, row + Dl);
+      }
+      const HostTensor xs_t = HostTensor::from(dtype, {T, n, Dl}, xs);
+      const HostTensor douts_t = HostTensor::from(dtype, {T, Dl}, douts);
+      HostTensor outs(dtype, {T, Dl}), dxs(dtype, {T, n, Dl}), dcs(DType::f32, {T, n});
+      for (HostTensor* o : {&outs, &dxs, &dcs}) o->poison();
+      collapse_forward(split, xs_t.ref(), carried.ref(), outs.mut());
+      collapse_backward(split, douts_t.ref(), xs_t.ref(), carried.ref(), dxs.mut(), dcs.mut());
+      const Vec o = outs.to_double(), g = dxs.to_double(), c = dcs.to_double();
+      for (int64_t t = 0; t < T; ++t) {
+        for (int64_t d = 0; d < Dl; ++d) {
+          ASSERT_EQ(o[t * Dl + d], whole_out[t * D + slice * Dl + d]) << "out t " << t;
+          for (int64_t k = 0; k < n; ++k) {
+            ASSERT_EQ(g[(t * n + k) * Dl + d], whole_dx[(t * n + k) * D + slice * Dl + d])
+                << "dx t " << t << " k " << k;
+          }
+        }
+      }
+      for (size_t e = 0; e < summed.size(); ++e) summed[e] += c[e];
+    }
+    const Vec whole_dcarried = dcarried.to_double();
+    EXPECT_LE(relative_error(summed, whole_dcarried), 1e-6) << "sum of the slices' dcarried";
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Named errors.
 
