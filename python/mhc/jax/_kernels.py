@@ -606,7 +606,7 @@ def _boundary_backward_carried_local(config: Config, plan, *operands):
     """V4.1's pre_backward of l+1 (x_{l+1} recomputed by the post of l, carried = h_pre of l), then
     post_backward of l with g = its dx -> dx_partial, dlayer_out, dh_pre, dh_post, dh_res of l and
     the parameter gradients of l+1; dh_pre is l+1's dcarried."""
-    next_cotangents, (x, layer_out, h_pre, h_post, h_res, partials), shaped = (
+    cotangents_next, (x, layer_out, h_pre, h_post, h_res, partials), shaped = (
         operands[:5],
         operands[5:11],
         operands[11:],
@@ -615,7 +615,7 @@ def _boundary_backward_carried_local(config: Config, plan, *operands):
     def separate():
         (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
         dx_next, dh_pre, *grads = _pre_backward_carried_local(
-            config, plan, *next_cotangents, x_next, h_pre, partials, *shaped
+            config, plan, *cotangents_next, x_next, h_pre, partials, *shaped
         )
         dx_partial, dlayer_out, dh_post, dh_res = _post_backward_local(
             config, plan, dx_next, x, layer_out, h_post, h_res
@@ -627,7 +627,7 @@ def _boundary_backward_carried_local(config: Config, plan, *operands):
         t, width = math.prod(lead), config.projection_width
         # Padded rows zeroed in the post's inputs too: the x_next recomputed from them is then zero.
         dli, dxp, dhpre, dhp, dhr, xs, lo, cp, hp, hr = _zero_padded_rows(
-            plan.valid_tokens(lead), *next_cotangents, x, layer_out, h_pre, h_post, h_res
+            plan.valid_tokens(lead), *cotangents_next, x, layer_out, h_pre, h_post, h_res
         )
         flat_cotangents = (
             dli.reshape(t, d),
