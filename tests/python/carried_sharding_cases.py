@@ -5,7 +5,8 @@ prints one "ok:" line per passing case.
 
 Tokens sharded under plain jax.jit: the values are one device's bits, the gradients one device's
 up to the order of the parameter sums, the forward holds no collective and the gradient only
-the all-reduces of the parameter gradients. The same inside jax.shard_map. D split: the split
+the all-reduces of the parameter gradients; padded token rows stay out of them. The same inside
+jax.shard_map. D split: the split
 forms where the kernels have them, else the mhc error that names what works.
 """
 
@@ -108,6 +109,26 @@ def main(seed):
     check("shard_map tokens dx", mapped_grads[0], want_grads[0], exact=True)
     check("shard_map tokens dparams", mapped_grads[1], want_grads[1], exact=False)
     print("ok: shard_map, tokens split")
+
+    # Padded rows holding values: 3 batch rows over 2 devices, x entering as cos(x) (cos(0) = 1
+    # where XLA pads with zeros) and a cotangent nonzero there: the parameter gradients of the V4.1
+    # pre and boundary backwards equal one device's only while they mask the padded rows.
+    xp = x[:3]
+    target = jnp.cos(jnp.arange(D, dtype=jnp.float32))
+
+    def padded_gradient(x, params, constrain):
+        if constrain:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("tokens")))
+
+        def padded_loss(x, params):
+            return jnp.sum(jnp.square(chain(jnp.cos(x), params, None) - target))
+
+        return jax.grad(padded_loss, argnums=(0, 1))(x, params)
+
+    want_padded = jax.jit(padded_gradient, static_argnums=2)(xp, params[:2], False)
+    got_padded = jax.jit(padded_gradient, static_argnums=2)(xp, params[:2], True)
+    check("padded rows", got_padded, want_padded, exact=False)
+    print("ok: padded rows with values")
 
     # D split (an elementwise branch): the split forms where the CPU has them, else the error
     # naming what works.

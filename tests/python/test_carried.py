@@ -454,4 +454,4 @@ def test_tokens_sharded_over_two_devices(seed):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     result = subprocess.run([sys.executable, script, str(seed)], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"seed {seed}\n{result.stdout}\n{result.stderr[-4000:]}"
-    assert result.stdout.count("ok:") == 4, result.stdout
+    assert result.stdout.count("ok:") == 5, result.stdout
