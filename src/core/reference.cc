@@ -432,9 +432,10 @@ BoundaryBackwardCarried boundary_backward_carried(const Config& config, const Ve
                                                   const Params& next_params) {
   Vec x_next = post_forward(config, x, layer_out, h_post, h_res);
   for (double& value : x_next) value = rounded(value);
+  const Vec& carried = h_pre;  // sublayer l's gates are the mix sublayer l+1 reads
   PreBackwardCarried next =
       pre_backward_carried(config, next_dlayer_in, next_dx_partial, next_dh_pre, next_dh_post,
-                           next_dh_res, x_next, h_pre, next_params);
+                           next_dh_res, x_next, carried, next_params);
   return BoundaryBackwardCarried{post_backward(config, next.dx, x, layer_out, h_post, h_res),
                                  std::move(next.dcarried), std::move(next.grads)};
 }
