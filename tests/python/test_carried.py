@@ -338,6 +338,33 @@ def test_recompute_keeps_the_bits(seed, dtype):
         _assert_same_bits(got, want, f"recompute={k} (seed {seed})")
 
 
+@pytest.mark.usefixtures("_quiet_cpu_scheduler_warning")
+def test_scan_over_sublayers_keeps_the_bits(seed):
+    """A V4.1 Pending (streams, layer_out and the carried mix in its context) as a jax.lax.scan
+    carry over stacked parameters, the body under recompute_streams: the unrolled chain's bits."""
+    config = _config(n=4)
+    x, params, weights = _chain_problem(seed, config, F32, layers=4)
+
+    def scanned(x, params, weights):
+        first = mj.sublayer(x, params[0], config, _branch(weights[0]))
+        stacked = jax.tree.map(lambda *a: jnp.stack(a), *params[1:])
+
+        def body(state, layer):
+            p, w = layer
+            return mj.sublayer(state, p, config, _branch(w)), None
+
+        state, _ = jax.lax.scan(mj.recompute_streams(body), first, (stacked, jnp.stack(weights[1:])))
+        return mj.collapse(state)
+
+    def loss(chain):
+        return lambda *a: jnp.sum(chain(*a) * jnp.cos(jnp.arange(x.shape[-1], dtype=F32)))
+
+    unrolled = lambda *a: _chain(*a, config)  # noqa: E731
+    want = jax.jit(jax.value_and_grad(loss(unrolled), argnums=(0, 1, 2)))(x, params, weights)
+    got = jax.jit(jax.value_and_grad(loss(scanned), argnums=(0, 1, 2)))(x, params, weights)
+    _assert_same_bits(got, want, f"scan (seed {seed})")
+
+
 @pytest.mark.parametrize("use_kernel", PATHS)
 def test_no_tokens(use_kernel):
     config = _config(n=4)
