@@ -440,6 +440,15 @@ MUTATIONS = (
             "[3-600-20-permutations-float32-float32-custom-128]",
         ),
     ),
+    Mutation(
+        "tpu_carried_dx_own_gates",
+        "the TPU pre_backward_carried's dx takes the sublayer's own gates for the pre-apply instead of the carried mix",
+        (Edit(TPU_PRE_BACKWARD, "pre_apply_weights = carried_ref[...]", "pre_apply_weights = s_pre + config.pre_eps"),),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_carried.py::test_pre_carried_matches_reference[4-130-37-sinkhorn-float32-True-custom]",
+        ),
+    ),
 )
 
 
