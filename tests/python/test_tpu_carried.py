@@ -281,3 +281,25 @@ def test_a_v41_chain_on_the_tpu_path_matches_the_cpu_kernels(seed):
     for index, (a, b) in enumerate(zip(got, want, strict=True)):
         error = relative_error(a, b)
         assert error <= 1e-5, f"leaf {index} of (loss, dx, dparams): relative error {error:.3g} (seed {seed})"
+
+
+def test_the_v41_api_exports_for_tpu_with_mosaic_kernels_only():
+    """The public V4.1 API (stack with the fused boundaries, the collapse), value and gradient,
+    exported for a TPU: every mhc operation lowers to a Mosaic kernel and no C++ FFI call
+    remains."""
+    n, d, t = 4, 256, 64
+    config = mj.Config(n=n, pre_from_previous=True)
+    layers = [random_params(jax.random.key(i), config, d) for i in range(2)]
+
+    def loss(x, layers):
+        state = mj.stack(x, [(p, config, jnp.tanh) for p in layers], fallback="error")
+        return jnp.sum(mj.collapse(state))
+
+    shapes = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (jnp.zeros((t, n, d), jnp.bfloat16), layers)
+    )
+    text = jax.export.export(jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), platforms=["tpu"])(
+        *shapes
+    ).mlir_module()
+    assert "tpu_custom_call" in text
+    assert "@mhc_" not in text
