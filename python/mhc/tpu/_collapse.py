@@ -43,7 +43,7 @@ def _backward_kernel(*refs, n: int, one_hot: bool):
     if one_hot:
         dx_ref[:, 0, :] = dout.astype(dx_ref.dtype)
         for k in range(1, n):
-            dx_ref[:, k, :] = jnp.zeros_like(dx_ref[:, k, :])
+            dx_ref[:, k, :] = jnp.zeros(dout.shape, dx_ref.dtype)
         return
     weights = carried_ref[...].T  # (tile, G): the tokens back in the sublanes
     for k in range(n):
