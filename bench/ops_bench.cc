@@ -44,7 +44,9 @@ double g_copy_gbps = 0.0;
 
 // The four operations, and the boundary between two sublayers fused (boundary_*) and as the two
 // calls it replaces (two_calls_*: post_forward then pre_forward; pre_backward then
-// post_backward).
+// post_backward). DeepSeek-V4.1's boundary (carried_boundary_*: the next pre-apply reads this
+// sublayer's h_pre) and final collapse (spec: Single-pass schedule). DeepSeek-V4's head (head_*,
+// spec: Head), in the roofline/ rows.
 enum class Op {
   pre_forward,
   post_forward,
@@ -55,7 +57,11 @@ enum class Op {
   boundary_backward,
   two_calls_backward,
   head_forward,
-  head_backward
+  head_backward,
+  carried_boundary_forward,
+  carried_boundary_backward,
+  collapse_forward,
+  collapse_backward
 };
 
 const char* op_name(Op op) {
@@ -70,6 +76,10 @@ const char* op_name(Op op) {
     case Op::two_calls_backward: return "two_calls_backward";
     case Op::head_forward: return "head_forward";
     case Op::head_backward: return "head_backward";
+    case Op::carried_boundary_forward: return "carried_boundary_forward";
+    case Op::carried_boundary_backward: return "carried_boundary_backward";
+    case Op::collapse_forward: return "collapse_forward";
+    case Op::collapse_backward: return "collapse_backward";
   }
   return "?";
 }
@@ -89,6 +99,11 @@ int64_t traffic_units(Op op, int64_t n) {
     // spec: Head (read x, write out; backward: read x and dout, write dx)
     case Op::head_forward: return n + 1;
     case Op::head_backward: return 2 * n + 1;
+    // spec: Single-pass schedule (the boundary's bytes; h_pre is 4n bytes a token more)
+    case Op::carried_boundary_forward: return 2 * n + 2;
+    case Op::carried_boundary_backward: return 3 * n + 3;
+    case Op::collapse_forward: return n + 1;       // read x, write out
+    case Op::collapse_backward: return 2 * n + 1;  // read x and dout, write dx
   }
   return 0;
 }
@@ -113,6 +128,10 @@ double flops_per_token(Op op, int64_t n, int64_t D, int64_t N) {
              flops_per_token(Op::post_backward, n, D, N);
     case Op::head_forward: return head_projection + 2 * nd;
     case Op::head_backward: return 3 * head_projection + 6 * nd;
+    case Op::carried_boundary_forward: return flops_per_token(Op::boundary_forward, n, D, N);
+    case Op::carried_boundary_backward: return flops_per_token(Op::boundary_backward, n, D, N);
+    case Op::collapse_forward: return 2 * nd;   // the weighted sum
+    case Op::collapse_backward: return 4 * nd;  // dx, and dcarried's dot products
   }
   return 0.0;
 }
@@ -187,6 +206,8 @@ struct Workspace {
   std::vector<float> next_h_pre, next_h_post, next_h_res, post_dh_post, post_dh_res;
   // The head's parameters (fn [n, M], base [n], scale [1]) and their gradients.
   std::vector<float> fn, base, scale, d_fn, d_base, d_scale;
+  // V4.1: the cotangent of the carried mix (h_pre).
+  std::vector<float> dcarried;
   // Activations in the case's dtype.
   Activation x, layer_in, layer_out, out, g, dx_partial, dlayer_out, dlayer_in, dx;
 
@@ -243,6 +264,7 @@ struct Workspace {
     d_fn.assign(fn.size(), 0.0f);
     d_base.assign(base.size(), 0.0f);
     d_scale.assign(1, 0.0f);
+    dcarried.assign(h_pre.size(), 0.0f);
 
     x.randomize(noise);
     layer_out.randomize(noise);  // stands in for F(layer_in)
@@ -320,6 +342,29 @@ struct Workspace {
             {mhc::MutableTensorRef(d_fn.data(), {n, M}), mhc::MutableTensorRef(d_base.data(), {n}),
              mhc::MutableTensorRef(d_scale.data(), {1})});
         break;
+      // V4.1: h_pre is sublayer l's (the carried mix); dh_post stands in for the next sublayer's
+      // dh_pre (the cotangent of its own h_pre).
+      case Op::carried_boundary_forward:
+        mhc::boundary_forward_carried(config, x.ref({T, n, D}), layer_out.ref({T, D}),
+                                      mhc::TensorRef(h_pre.data(), {T, n}), hp, hr, params(),
+                                      out.ref({T, n, D}), next_outputs());
+        break;
+      case Op::carried_boundary_backward:
+        mhc::boundary_backward_carried(config, dlayer_in.ref({T, D}), dx_partial.ref({T, n, D}),
+                                       dhp, dhp, dhr, x.ref({T, n, D}), layer_out.ref({T, D}),
+                                       mhc::TensorRef(h_pre.data(), {T, n}), hp, hr, params(),
+                                       boundary_post_outputs(),
+                                       mhc::MutableTensorRef(dcarried.data(), {T, n}), grads());
+        break;
+      case Op::collapse_forward:
+        mhc::collapse_forward(config, x.ref({T, n, D}), mhc::TensorRef(h_pre.data(), {T, n}),
+                              layer_in.ref({T, D}));
+        break;
+      case Op::collapse_backward:
+        mhc::collapse_backward(config, dlayer_in.ref({T, D}), x.ref({T, n, D}),
+                               mhc::TensorRef(h_pre.data(), {T, n}), dx.ref({T, n, D}),
+                               mhc::MutableTensorRef(dcarried.data(), {T, n}));
+        break;
       case Op::pre_forward:
         mhc::pre_forward(config, x.ref({T, n, D}), params(),
                          {layer_in.ref({T, D}), mhc::MutableTensorRef(h_pre.data(), {T, n}),
@@ -388,10 +433,11 @@ void time_op(benchmark::State& state, Op op, const Case& c, bool roofline) {
   // At decode sizes the parameters dominate: phi is read by the pre operations, and dphi written
   // by pre_backward, once per call whatever T.
   const double phi_bytes = static_cast<double>(ws.M * ws.N * 4);
-  const bool pre_forward_inside =
-      op == Op::pre_forward || op == Op::boundary_forward || op == Op::two_calls_forward;
-  const bool pre_backward_inside =
-      op == Op::pre_backward || op == Op::boundary_backward || op == Op::two_calls_backward;
+  const bool pre_forward_inside = op == Op::pre_forward || op == Op::boundary_forward ||
+                                  op == Op::two_calls_forward || op == Op::carried_boundary_forward;
+  const bool pre_backward_inside = op == Op::pre_backward || op == Op::boundary_backward ||
+                                   op == Op::two_calls_backward ||
+                                   op == Op::carried_boundary_backward;
   if (pre_forward_inside) bytes += phi_bytes;
   if (pre_backward_inside) bytes += 2.0 * phi_bytes;
   const double fn_bytes = static_cast<double>(ws.n * ws.M * 4);  // the head's fn, like phi
@@ -479,6 +525,20 @@ void register_all() {
       }
     }
   }
+  // V4.1's decode: its boundary next to V4's at the same shape (T = 1 and 8).
+  const Op decode_boundary_ops[] = {Op::boundary_forward, Op::carried_boundary_forward,
+                                    Op::boundary_backward, Op::carried_boundary_backward};
+  for (const Case& c : decode) {
+    if (c.tokens > 8) continue;
+    for (Op op : decode_boundary_ops) {
+      const std::string name = std::string("decode/") + op_name(op) + "/" +
+                               mhc::to_string(c.dtype) + "/D:" + std::to_string(c.dim) +
+                               "/T:" + std::to_string(c.tokens);
+      benchmark::RegisterBenchmark(name.c_str(), BM_op, op, c)
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+  }
   for (const Case& c : decode) {
     for (Op op : ops) {
       const std::string name = std::string("decode/") + op_name(op) + "/" +
@@ -504,8 +564,10 @@ void register_all() {
   }
 
   // Grouped by case so that each case's buffers are built once.
-  const Op boundary_ops[] = {Op::boundary_forward, Op::two_calls_forward, Op::boundary_backward,
-                             Op::two_calls_backward};
+  const Op boundary_ops[] = {Op::boundary_forward,         Op::two_calls_forward,
+                             Op::boundary_backward,        Op::two_calls_backward,
+                             Op::carried_boundary_forward, Op::carried_boundary_backward,
+                             Op::collapse_forward,         Op::collapse_backward};
   for (const Case& c : cases) {
     for (Op op : boundary_ops) {
       if (c.mix == mhc::Mix::permutations) continue;

@@ -332,6 +332,22 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "carried_backward_applies_own_gates",
+        "pre_backward_carried's dx takes the pre-apply term with the sublayer's own h_pre, not the carried mix",
+        (
+            Edit(
+                "src/cpu/pre_backward.cc",
+                "      std::copy_n(supplied.mix.row(token, n, pre), supplied.mix.streams(n), pre);\n",
+                "",
+            ),
+        ),
+    ),
+    Mutation(
+        "collapse_first_token_mix",
+        "the V4.1 collapse mixes every token with the first token's carried weights",
+        (Edit("src/cpu/collapse.cc", "mix.row(t, n, nullptr), D, ot);", "mix.row(0, n, nullptr), D, ot);"),),
+    ),
+    Mutation(
         "tpu_projection_default_precision",
         "the TPU pre kernel's projection dot drops precision=HIGHEST (default MXU precision, not fp32 contraction)",
         (
@@ -422,6 +438,15 @@ MUTATIONS = (
         python_tests=(
             "tests/python/test_tpu_boundary.py::test_boundary_backward_matches_reference"
             "[3-600-20-permutations-float32-float32-custom-128]",
+        ),
+    ),
+    Mutation(
+        "tpu_carried_dx_own_gates",
+        "the TPU pre_backward_carried's dx takes the sublayer's own gates for the pre-apply instead of the carried mix",
+        (Edit(TPU_PRE_BACKWARD, "pre_apply_weights = carried_ref[...]", "pre_apply_weights = s_pre + config.pre_eps"),),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_carried.py::test_pre_carried_matches_reference[4-130-37-sinkhorn-float32-True-custom]",
         ),
     ),
 )

@@ -18,7 +18,7 @@ profile=(-DCMAKE_CXX_FLAGS="-fprofile-instr-generate -fcoverage-mapping"
   -DCMAKE_EXE_LINKER_FLAGS=-fprofile-instr-generate)
 CXX=clang++ cmake -S . -B build-asan -DMHC_SANITIZE=address,undefined "${common[@]}" "${profile[@]}" \
   > /dev/null
-cmake --build build-asan -j "$jobs" --target mhc_tests > /dev/null
+cmake --build build-asan -j "$jobs" --target mhc_tests mhc_workspace_tests > /dev/null
 rm -rf build-asan/profiles
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
@@ -46,8 +46,12 @@ for shard in 0 1; do
   if ! wait "${pids[$shard]}"; then status=1; fi
   tail -n 3 "build-asan/shard$shard.log"
 done
+# The workspace cache (compiled into its own test binary, outside the coverage count).
+LLVM_PROFILE_FILE=build-asan/workspace.profraw ./build-asan/mhc_workspace_tests --gtest_brief=1 \
+  > build-asan/workspace.log 2>&1 || status=1
+tail -n 3 build-asan/workspace.log
 if [ $status -ne 0 ]; then
-  cat build-asan/shard*.log | grep -E -A20 "ERROR|runtime error|FAILED" | head -80
+  cat build-asan/shard*.log build-asan/workspace.log | grep -E -A20 "ERROR|runtime error|FAILED" | head -80
   exit 1
 fi
 
@@ -66,6 +70,7 @@ python3 -c "import sys; sys.exit(float('$percent') < $min)" ||
 
 echo "== ThreadSanitizer (thread pool, determinism, multithreaded kernels)"
 CXX=clang++ cmake -S . -B build-tsan -DMHC_SANITIZE=thread "${common[@]}" > /dev/null
-cmake --build build-tsan -j "$jobs" --target mhc_tests > /dev/null
+cmake --build build-tsan -j "$jobs" --target mhc_tests mhc_workspace_tests > /dev/null
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ./build-tsan/mhc_workspace_tests --gtest_brief=1
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ./build-tsan/mhc_tests --gtest_brief=1 \
   --gtest_filter='*Determinism*:Threads.*:*n4_D130_T257*:*NonFinite*:*BoundaryVsSeparate*sinkhorn_n4_D4096_T37_bf16*'

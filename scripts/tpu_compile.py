@@ -52,6 +52,21 @@ OPERATIONS = {
     # Spec: Head, steps 1-4 and 6 (the pre forward's traffic); its backward reads x and dh, writes dx.
     "mhc_head_forward": (("x", "head"), lambda n: n + 1),
     "mhc_head_backward": (("features", "x", "head"), lambda n: 2 * n + 1),
+    # DeepSeek-V4.1 (spec: Single-pass schedule): the carried mix is a "gates" [T, n] f32 operand; the
+    # same bytes as V4's operations (the collapse: x read, out written; its backward dout and x read,
+    # dx written).
+    "mhc_pre_forward_carried": (("x", "gates", "params"), lambda n: n + 1),
+    "mhc_pre_backward_carried": (
+        ("features", "x", "gates", "gates", "mix", "x", "gates", "params"),
+        lambda n: 3 * n + 1,
+    ),
+    "mhc_collapse_forward": (("x", "gates"), lambda n: n + 1),
+    "mhc_collapse_backward": (("features", "x", "gates"), lambda n: 2 * n + 1),
+    "mhc_boundary_forward_carried": (("x", "features", "gates", "gates", "mix", "params"), lambda n: 2 * n + 2),
+    "mhc_boundary_backward_carried": (
+        ("features", "x", "gates", "gates", "mix", "x", "features", "gates", "gates", "mix", "params"),
+        lambda n: 3 * n + 3,
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-// mhc/ops.h: the four mHC operations on the CPU, split the way a framework's custom VJP needs.
+// mhc/ops.h: the mHC operations on the CPU, split the way a framework's custom VJP needs.
 //
 // Forward of one sublayer:   pre_forward -> (caller runs F on layer_in) -> post_forward
 // Backward of one sublayer:  post_backward -> (caller back-propagates through F) -> pre_backward
@@ -142,6 +142,75 @@ MHC_API void head_backward(const Config& config, const TensorRef& dout, const Te
                            const HeadParams& params, const MutableTensorRef& dx,
                            const HeadGrads& grads);
 
+// DeepSeek-V4.1's single-pass schedule (spec: Single-pass schedule; V4.1's
+// hc_pre_from_prev_sublayer). Each sublayer s computes H_pre, H_post and H_res from its own x as in
+// V4, but its pre-apply reads the CARRIED mix p_s = H_pre of sublayer s-1, f32 [T, n]:
+// layer_in[t, d] = sum_k p_s[t, k] x[t, k, d]; the first sublayer's p_0 is the one-hot on stream 0
+// (layer_in = x[:, 0]), and the model ends with the collapse sum_k p_last[t, k] x[t, k, d]. The
+// schedule is not a Config field: calling these operations is what selects it (a framework's
+// config, e.g. mhc.jax.Config(pre_from_previous=True), picks them). In a stack of sublayers:
+//   pre_forward_carried(carried = absent) -> F_1 -> boundary_forward_carried -> F_2 -> ...
+//     -> boundary_forward_carried -> F_L -> post_forward -> collapse_forward(carried = h_pre of L)
+//   collapse_backward -> post_backward -> F_L' -> boundary_backward_carried -> ... -> F_1'
+//     -> pre_backward_carried
+// with each backward's dh_pre the dcarried (or dh_pre output) of the operation after it.
+//
+// An absent carried mix is an empty TensorRef (TensorRef{}: null data and rank 0) or one of shape
+// [T, 0]: the one-hot on stream 0, read as a copy of stream 0. A present one is f32 [T, n] (data
+// may be null only when T = 0). A backward's dcarried is absent exactly when its carried is.
+
+// x [T, n, D] and carried [T, n] | absent -> the outputs of pre_forward: h_pre, h_post, h_res are
+// the sublayer's own coefficients (the same bits as pre_forward; h_pre is the mix to carry on),
+// layer_in = sum_k carried[t, k] x[t, k, :].
+MHC_API void pre_forward_carried(const Config& config, const TensorRef& x, const TensorRef& carried,
+                                 const Params& params, const PreForwardOutputs& outputs);
+
+// pre_backward with the carried mix: dh_pre [T, n] f32 is an input, the cotangent of this
+// sublayer's own h_pre (the next sublayer's dcarried, or collapse_backward's), and enters the gate
+// backward as given; the pre-apply's cotangent goes to dcarried [T, n] f32,
+// dcarried[t, k] = sum_d x[t, k, d] dlayer_in[t, d], and to dx through carried (not h_pre).
+MHC_API void pre_backward_carried(const Config& config, const TensorRef& dlayer_in,
+                                  const TensorRef& dx_partial, const TensorRef& dh_pre,
+                                  const TensorRef& dh_post, const TensorRef& dh_res,
+                                  const TensorRef& x, const TensorRef& carried,
+                                  const Params& params, const MutableTensorRef& dx,
+                                  const MutableTensorRef& dcarried, const ParamGrads& grads);
+
+// The final collapse, no parameters: out[t, d] = sum_k carried[t, k] x[t, k, d], out [T, D] in x's
+// dtype (the same sum, and bits, as pre_forward_carried's layer_in). Local in D: with D split
+// (config.tensor_parallel > 1) both collapse operations take this slice's tensors, and
+// collapse_backward's dcarried is then this slice's partial sum, to be all-reduced by the caller.
+MHC_API void collapse_forward(const Config& config, const TensorRef& x, const TensorRef& carried,
+                              const MutableTensorRef& out);
+
+// dout [T, D] (x's dtype) -> dx[t, k, d] = carried[t, k] dout[t, d] (x's dtype) and
+// dcarried[t, k] = sum_d x[t, k, d] dout[t, d] (f32 [T, n]).
+MHC_API void collapse_backward(const Config& config, const TensorRef& dout, const TensorRef& x,
+                               const TensorRef& carried, const MutableTensorRef& dx,
+                               const MutableTensorRef& dcarried);
+
+// V4.1's boundary, fused as boundary_forward is: x_next = post_forward(x, layer_out, h_post, h_res)
+// and next = pre_forward_carried(x_next, carried = h_pre, next_params), where h_pre [T, n] is
+// sublayer l's own (its pre_forward_carried's output). Since the carried mix is known before x_next
+// exists, each tile of x_next is written once and mixed and projected while in cache. Every output
+// has the same bits as the two calls.
+MHC_API void boundary_forward_carried(const Config& config, const TensorRef& x,
+                                      const TensorRef& layer_out, const TensorRef& h_pre,
+                                      const TensorRef& h_post, const TensorRef& h_res,
+                                      const Params& next_params, const MutableTensorRef& x_next,
+                                      const PreForwardOutputs& next);
+
+// Backward: pre_backward_carried of sublayer l+1 (carried = h_pre, x_next recomputed per tile)
+// then post_backward of sublayer l with g = its dx_next, tile by tile: dx_next is never written.
+// dh_pre [T, n] f32 (output) is l+1's dcarried: the cotangent of sublayer l's h_pre, to pass as
+// the dh_pre of sublayer l's own backward. The same bits as the separate calls.
+MHC_API void boundary_backward_carried(
+    const Config& config, const TensorRef& next_dlayer_in, const TensorRef& next_dx_partial,
+    const TensorRef& next_dh_pre, const TensorRef& next_dh_post, const TensorRef& next_dh_res,
+    const TensorRef& x, const TensorRef& layer_out, const TensorRef& h_pre, const TensorRef& h_post,
+    const TensorRef& h_res, const Params& next_params, const PostBackwardOutputs& outputs,
+    const MutableTensorRef& dh_pre, const ParamGrads& next_grads);
+
 // Tensor parallelism: D split into config.tensor_parallel equal slices, one per device.
 //
 // Each device holds its slice of every stream, x [T, n, Dl] with Dl = D / tensor_parallel, the
@@ -184,6 +253,22 @@ MHC_API void pre_backward_finish(const Config& config, const TensorRef& dlayer_i
                                  const TensorRef& x, const TensorRef& partials,
                                  const Params& params, const MutableTensorRef& dx,
                                  const ParamGrads& grads);
+
+// The split forms of the V4.1 pre operations (as pre_forward_finish and pre_backward_finish, with
+// the carried mix [T, n] | absent as in pre_forward_carried). The forward's first half is
+// pre_forward_partials unchanged; in the backward the carried mix's cotangent is this slice's
+// partial sum, pre_backward_partials (the same formula), which the caller all-reduces, and dh_pre
+// is the cotangent of the sublayer's own h_pre, whole (the next sublayer's summed dcarried).
+MHC_API void pre_forward_finish_carried(const Config& config, const TensorRef& x,
+                                        const TensorRef& partials, const TensorRef& carried,
+                                        const TensorRef& alpha, const TensorRef& bias,
+                                        const PreForwardOutputs& outputs);
+MHC_API void pre_backward_finish_carried(const Config& config, const TensorRef& dlayer_in,
+                                         const TensorRef& dx_partial, const TensorRef& dh_pre,
+                                         const TensorRef& dh_post, const TensorRef& dh_res,
+                                         const TensorRef& x, const TensorRef& partials,
+                                         const TensorRef& carried, const Params& params,
+                                         const MutableTensorRef& dx, const ParamGrads& grads);
 
 // Threads used by the operations; values < 1 restore the default (MHC_NUM_THREADS, else the
 // number of hardware threads).

@@ -1,4 +1,4 @@
-// mhc/reference.h: the float64 reference of the four operations, the test oracle and the readable
+// mhc/reference.h: the float64 reference of the operations, the test oracle and the readable
 // definition. Plain loops that mirror docs/math.md line by line; no tiling, no threads, no SIMD.
 // Tensors are row-major std::vector<double> with the shapes listed in mhc/ops.h; T is inferred
 // from x.size() / (n*D). These functions do not validate; they are for tests and reading.
@@ -71,6 +71,52 @@ MHC_API BoundaryBackward boundary_backward(const Config& config, const Vec& next
                                            const Vec& next_dh_res, const Vec& x,
                                            const Vec& layer_out, const Vec& h_post,
                                            const Vec& h_res, const Params& next_params);
+
+// DeepSeek-V4.1's single-pass schedule (spec: Single-pass schedule). `carried` [T, n] is the mix
+// the pre-apply reads (the previous sublayer's H_pre); an empty Vec is the one-hot on stream 0.
+// pre_forward_carried: h_pre, h_post, h_res as pre_forward (the sublayer's own gates, h_pre to be
+// carried on), layer_in = sum_k carried[k] x_k.
+MHC_API PreForward pre_forward_carried(const Config& config, const Vec& x, const Vec& carried,
+                                       const Params& params);
+
+// dh_pre [T, n] is an input (the cotangent of this sublayer's H_pre, from the next sublayer or the
+// final collapse); dcarried [T, n] = <x_k, dlayer_in> per token (empty when carried is).
+struct PreBackwardCarried {
+  Vec dx;        // [T, n, D]
+  Vec dcarried;  // [T, n]
+  Params grads;
+};
+MHC_API PreBackwardCarried pre_backward_carried(const Config& config, const Vec& dlayer_in,
+                                                const Vec& dx_partial, const Vec& dh_pre,
+                                                const Vec& dh_post, const Vec& dh_res, const Vec& x,
+                                                const Vec& carried, const Params& params);
+
+// The final collapse: out[t, d] = sum_k carried[t, k] x[t, k, d], [T, D]; and its backward.
+MHC_API Vec collapse_forward(const Config& config, const Vec& x, const Vec& carried);
+struct CollapseBackward {
+  Vec dx;        // [T, n, D]
+  Vec dcarried;  // [T, n] (empty when carried is)
+};
+MHC_API CollapseBackward collapse_backward(const Config& config, const Vec& dout, const Vec& x,
+                                           const Vec& carried);
+
+// V4.1's boundary: post_forward, then pre_forward_carried of its result with carried = h_pre (the
+// H_pre of sublayer l); in the backward pre_backward_carried, then post_backward with g = its dx.
+// dh_pre is the cotangent of sublayer l's h_pre (dcarried of l+1).
+MHC_API BoundaryForward boundary_forward_carried(const Config& config, const Vec& x,
+                                                 const Vec& layer_out, const Vec& h_pre,
+                                                 const Vec& h_post, const Vec& h_res,
+                                                 const Params& next_params);
+struct BoundaryBackwardCarried {
+  PostBackward post;  // sublayer l's post gradients
+  Vec dh_pre;         // [T, n]
+  Params next_grads;  // sublayer l+1's parameter gradients
+};
+MHC_API BoundaryBackwardCarried boundary_backward_carried(
+    const Config& config, const Vec& next_dlayer_in, const Vec& next_dx_partial,
+    const Vec& next_dh_pre, const Vec& next_dh_post, const Vec& next_dh_res, const Vec& x,
+    const Vec& layer_out, const Vec& h_pre, const Vec& h_post, const Vec& h_res,
+    const Params& next_params);
 
 // DeepSeek-V4's head (spec: Head). fn [n, M], base [n], scale [1].
 struct HeadParams {

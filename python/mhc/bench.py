@@ -1,7 +1,8 @@
 """python -m mhc.bench: the fused kernels against the jitted plain-JAX path, on the roofline.
 
 For each shape and each operation (the four C++ operations, a whole sublayer pre -> identity
-branch -> post, and the fused boundary post -> pre between two sublayers, each forward and
+branch -> post, the fused boundary post -> pre between two sublayers, V4's head, and
+DeepSeek-V4.1's pre with the carried mix, its boundary and its final collapse, each forward and
 forward+backward) it measures the median time of the kernel path and of the jitted
 ``use_kernel=False`` path side by side (the boundary also as the two separate kernel calls,
 ``separate_ms``), and reports their ratio, the achieved GB/s
@@ -17,6 +18,8 @@ this order), and the table shows both kernel and plain times side by side; ``def
     python -m mhc.bench                          # the decode table, then the roofline table
     python -m mhc.bench --table roofline         # T in {2048, 8192}, n = 4, D in {1024, 4096}, f32 and bf16
     python -m mhc.bench --table decode           # T in {1, 8, 64}, D in {4096, 7168}: latency in us
+    python -m mhc.bench --ops v41_pre_fwd v41_pre_fwd_bwd boundary_fwd boundary_fwd_bwd \
+        v41_boundary_fwd v41_boundary_fwd_bwd collapse_fwd collapse_fwd_bwd   # V4.1 against V4
     python -m mhc.bench --tokens 1 --dims 64     # the small-shape case
     python -m mhc.bench --batch-axis             # the sublayer with x [1, T, n, D] instead of [T, n, D]
     python -m mhc.bench --allocator tuned        # only after mhc.tune_allocator() (default: both)
@@ -46,10 +49,29 @@ OPS = (
     "boundary_fwd_bwd",
     "head_fwd",
     "head_fwd_bwd",
+    # DeepSeek-V4.1 (spec: Single-pass schedule): the pre reading a carried mix (and returning its
+    # own h_pre), the boundary whose next pre reads this sublayer's h_pre, and the model's end,
+    # the collapse by the last h_pre (mhc.jax.pre(carried=...), boundary, collapse).
+    "v41_pre_fwd",
+    "v41_pre_fwd_bwd",
+    "v41_boundary_fwd",
+    "v41_boundary_fwd_bwd",
+    "collapse_fwd",
+    "collapse_fwd_bwd",
 )
+V41_OPS = OPS[OPS.index("v41_pre_fwd") :]
 # The fused boundary (post of one sublayer, pre of the next): timed also as the two separate
 # kernel calls, reported as separate_ms.
-BOUNDARY_OPS = ("boundary_fwd", "boundary_fwd_bwd")
+BOUNDARY_OPS = ("boundary_fwd", "boundary_fwd_bwd", "v41_boundary_fwd", "v41_boundary_fwd_bwd")
+# The V4.1 rows and the V4 rows they are set against at the same shape.
+V41_VERSUS_V4 = {
+    "v41_boundary_fwd": "boundary_fwd",
+    "v41_boundary_fwd_bwd": "boundary_fwd_bwd",
+    "v41_pre_fwd": "pre_forward",
+}
+# The decode table: the four operations, and a boundary (V4's and V4.1's) and V4.1's pre and
+# collapse, forward only (inference).
+DECODE_OPS = (*OPS[:4], "boundary_fwd", "v41_pre_fwd", "v41_boundary_fwd", "collapse_fwd")
 DECODE_TOKENS = (1, 8, 64)
 DECODE_DIMS = (4096, 7168)
 ALLOCATORS = ("both", "default", "tuned")
@@ -90,6 +112,12 @@ def minimum_bytes(op: str, s: Shape, separate: bool = False) -> float:
     # The head (spec: Head): fn [n, nD] read once forward, read once and dfn written backward.
     head_fn = 4.0 * s.n * s.n * s.dim
     parameters["head_fwd"], parameters["head_fwd_bwd"] = head_fn, 3 * head_fn
+    # V4.1: the pre's, and the boundary's, parameters as V4's; the collapse has none.
+    parameters["v41_pre_fwd"] = parameters["pre_forward"]
+    parameters["v41_pre_fwd_bwd"] = parameters["pre_forward"] + parameters["pre_backward"]
+    parameters["v41_boundary_fwd"] = parameters["boundary_fwd"]
+    parameters["v41_boundary_fwd_bwd"] = parameters["boundary_fwd_bwd"]
+    parameters["collapse_fwd"] = parameters["collapse_fwd_bwd"] = 0.0
     per_token = {
         "pre_forward": (s.n + 1),
         "post_forward": (2 * s.n + 1),
@@ -107,6 +135,17 @@ def minimum_bytes(op: str, s: Shape, separate: bool = False) -> float:
     # Forward: read x, write out; backward: read x and dout, write dx (gates recomputed).
     per_token["head_fwd"] = s.n + 1
     per_token["head_fwd_bwd"] = (s.n + 1) + (2 * s.n + 1)
+    # V4.1 moves the same activations as V4 (the carried mix, 4n bytes a token, is one of the small
+    # coefficient tensors the spec leaves out). The pre alone, differentiated: its backward reads
+    # x and dlayer_in and writes dx, (2n+1)De; the dx_partial of the spec's pre backward is the
+    # post's, which a pre on its own does not have.
+    per_token["v41_pre_fwd"] = per_token["pre_forward"]
+    per_token["v41_pre_fwd_bwd"] = per_token["pre_forward"] + (2 * s.n + 1)
+    per_token["v41_boundary_fwd"] = per_token["boundary_fwd"]
+    per_token["v41_boundary_fwd_bwd"] = per_token["boundary_fwd_bwd"]
+    # The collapse: read x, write h; backward: read dh and x, write dx.
+    per_token["collapse_fwd"] = s.n + 1
+    per_token["collapse_fwd_bwd"] = (s.n + 1) + (2 * s.n + 1)
     return float(per_token[op] * s.dim * e * s.tokens) + parameters[op]
 
 
@@ -131,6 +170,14 @@ def flop_count(op: str, s: Shape) -> float:
     head_projection = 2 * n * d * n
     per_token["head_fwd"] = head_projection + 2 * n * d
     per_token["head_fwd_bwd"] = 4 * head_projection + 8 * n * d
+    # V4.1: as V4's pre and boundary.
+    per_token["v41_pre_fwd"] = per_token["pre_forward"]
+    per_token["v41_pre_fwd_bwd"] = per_token["pre_forward"] + per_token["pre_backward"]
+    per_token["v41_boundary_fwd"] = per_token["boundary_fwd"]
+    per_token["v41_boundary_fwd_bwd"] = per_token["boundary_fwd_bwd"]
+    # The collapse: the mix forward; dx and dcarried backward.
+    per_token["collapse_fwd"] = 2 * n * d
+    per_token["collapse_fwd_bwd"] = 6 * n * d
     return float(per_token[op] * s.tokens)
 
 
@@ -142,7 +189,7 @@ def _inputs(s: Shape, seed: int = 0):
 
     config = mj.Config(n=s.n, mix=s.mix)
     dtype = jnp.bfloat16 if s.dtype == "bf16" else jnp.float32
-    keys = jax.random.split(jax.random.key(seed), 9)
+    keys = jax.random.split(jax.random.key(seed), 11)
     t, n, d = s.tokens, s.n, s.dim
     params = mj.init_params(keys[0], config, d)
     params = params._replace(alpha=jnp.array([0.8, -0.6, 1.1], jnp.float32))
@@ -166,6 +213,10 @@ def _inputs(s: Shape, seed: int = 0):
             head_params=mj.init_head_params(keys[0], config, d)._replace(scale=jnp.array([0.9], jnp.float32)),
             dh_post=jax.random.normal(keys[7], (t, n)),
             dh_res=jax.random.normal(keys[8], (t, n, n)),
+            # V4.1: a carried mix (a previous sublayer's pre gates, sigmoid + eps in (0, 1)) and the
+            # cotangent of this sublayer's own h_pre.
+            carried=jax.nn.sigmoid(jax.random.normal(keys[9], (t, n))),
+            dh_pre=jax.random.normal(keys[10], (t, n)),
         ),
     )
 
@@ -178,6 +229,9 @@ def _functions(op: str, use_kernel: bool, config, fused: bool = True):
     import mhc.jax as mj
     from mhc.jax import _kernels, reference
     from mhc.jax._types import Context
+
+    if op in V41_OPS:
+        return _v41_functions(op, use_kernel, config, fused)
 
     def sublayer(x, params):
         layer_in, ctx = mj.pre(x, params, config, use_kernel=use_kernel)
@@ -250,6 +304,52 @@ def _functions(op: str, use_kernel: bool, config, fused: bool = True):
             "pre_backward": (pre_backward, ("dlayer_in", "g", "dh_post", "dh_res", "x", "params")),
         }
     function, names = table[op]
+    return jax.jit(function), names
+
+
+def _v41_functions(op: str, use_kernel: bool, config, fused: bool):
+    """``_functions`` for DeepSeek-V4.1's operations (V41_OPS), with ``config``'s schedule switched
+    to V4.1's (``pre_from_previous``)."""
+    import jax
+
+    import mhc.jax as mj
+    from mhc.jax._types import Context
+
+    v41 = dataclasses.replace(config, pre_from_previous=True)
+
+    def v41_pre(x, params, carried):
+        layer_in, ctx = mj.pre(x, params, v41, carried=carried, use_kernel=use_kernel)
+        return layer_in, ctx.h_pre, ctx.h_post, ctx.h_res
+
+    def v41_boundary(x, layer_out, h_pre, h_post, h_res, params):
+        ctx = Context(x, h_post, h_res, v41, use_kernel, h_pre=h_pre)
+        if fused:
+            layer_in, next_ctx = mj.boundary(layer_out, ctx, params, v41, use_kernel=use_kernel)
+        else:
+            layer_in, next_ctx = mj.pre(mj.post(layer_out, ctx), params, v41, carried=h_pre, use_kernel=use_kernel)
+        return layer_in, next_ctx.x, next_ctx.h_pre, next_ctx.h_post, next_ctx.h_res
+
+    def collapse(x, carried):
+        return mj.collapse(mj.Streams(x, carried), use_kernel=use_kernel)
+
+    v41_table = {
+        "v41_pre_fwd": (v41_pre, ("x", "params", "carried")),
+        "v41_pre_fwd_bwd": (
+            lambda x, params, carried, *cotangents: jax.vjp(v41_pre, x, params, carried)[1](cotangents),
+            ("x", "params", "carried", "dlayer_in", "dh_pre", "dh_post", "dh_res"),
+        ),
+        "v41_boundary_fwd": (v41_boundary, ("x", "layer_out", "carried", "h_post", "h_res", "params")),
+        "v41_boundary_fwd_bwd": (
+            lambda *a: jax.vjp(v41_boundary, *a[:6])[1](a[6:]),
+            ("x", "layer_out", "carried", "h_post", "h_res", "params", "dlayer_in", "g", "dh_pre", "dh_post", "dh_res"),
+        ),
+        "collapse_fwd": (collapse, ("x", "carried")),
+        "collapse_fwd_bwd": (
+            lambda x, carried, dout: jax.vjp(collapse, x, carried)[1](dout),
+            ("x", "carried", "dlayer_in"),
+        ),
+    }
+    function, names = v41_table[op]
     return jax.jit(function), names
 
 
@@ -452,21 +552,53 @@ def format_decode_table(result: dict) -> str:
     lines = [
         "Decode (latency in us; floor = minimum bytes, phi included, at the copy bandwidth; "
         f"{_allocator_note(result)}):",
-        f"{'shape':<26} {'op':<14} {'kernel us':>10} {'plain us':>10} {'speedup':>8} {'floor us':>9} {'of floor':>9}"
+        f"{'shape':<26} {'op':<17} {'kernel us':>10} {'plain us':>10} {'speedup':>8} {'floor us':>9} {'of floor':>9}"
         + tuned_header,
     ]
     copy = result["machine"]["copy_gbs"]
     for r in result["rows"]:
-        if r["op"] not in OPS[:4]:
+        if r["op"] not in DECODE_OPS:
             continue
         shape = f"T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"
         floor_us = r["minimum_bytes"] / (copy * 1e9) * 1e6
         lines.append(
-            f"{shape:<26} {r['op']:<14} {r['kernel_ms'] * 1e3:>10.1f} {r['plain_ms'] * 1e3:>10.1f} "
+            f"{shape:<26} {r['op']:<17} {r['kernel_ms'] * 1e3:>10.1f} {r['plain_ms'] * 1e3:>10.1f} "
             f"{r['speedup']:>7.2f}x {floor_us:>9.1f} {floor_us / (r['kernel_ms'] * 1e3):>8.0%}"
             + _tuned_columns(r, 1e3, 10)
         )
+    lines += _v41_versus_v4(result["rows"], 1e3, "us")
     return "\n".join(lines)
+
+
+def _shape_key(r: dict) -> tuple:
+    return (r["tokens"], r["n"], r["dim"], r["dtype"], r["mix"], r.get("batch_axis", False))
+
+
+def _v41_versus_v4(rows: list, scale: float, unit: str) -> list[str]:
+    """DeepSeek-V4.1's rows against V4's at the same shape (kernel path): the time ratio and the
+    spec's bytes of each."""
+    by_shape = {(_shape_key(r), r["op"]): r for r in rows if r["op"] in OPS}
+    pairs = [
+        (r, by_shape[(_shape_key(r), V41_VERSUS_V4[r["op"]])])
+        for r in rows
+        if r["op"] in V41_VERSUS_V4 and (_shape_key(r), V41_VERSUS_V4[r["op"]]) in by_shape
+    ]
+    if not pairs:
+        return []
+    digits = 1 if scale > 1 else 3
+    lines = [
+        "",
+        f"DeepSeek-V4.1 against V4 at the same shape (kernel path, {unit}; bytes: the spec's minimum, the same):",
+        f"{'shape':<26} {'V4.1 op':<21} {'V4 op':<17} {'V4.1':>9} {'V4':>9} {'V4.1/V4':>8} {'MiB':>8}",
+    ]
+    for v41, v4 in pairs:
+        shape = f"T={v41['tokens']} n={v41['n']} D={v41['dim']} {v41['dtype']}"
+        lines.append(
+            f"{shape:<26} {v41['op']:<21} {v4['op']:<17} "
+            f"{v41['kernel_ms'] * scale:>9.{digits}f} {v4['kernel_ms'] * scale:>9.{digits}f} "
+            f"{v41['kernel_ms'] / v4['kernel_ms']:>7.2f}x {v41['minimum_bytes'] / 2**20:>8.2f}"
+        )
+    return lines
 
 
 def format_table(result: dict) -> str:
@@ -480,7 +612,7 @@ def format_table(result: dict) -> str:
         )
         + f" ({m['date']}; medians of {result['repeats']}; {_allocator_note(result)})",
         "",
-        f"{'shape':<26} {'op':<17} {'kernel ms':>10} {'plain ms':>10} {'speedup':>8} {'GB/s':>7} "
+        f"{'shape':<26} {'op':<20} {'kernel ms':>10} {'plain ms':>10} {'speedup':>8} {'GB/s':>7} "
         f"{'GFLOP/s':>8} {'floor ms':>9} {'bound':>8} {'roofline':>9}"
         + (f" {'tuned k ms':>10} {'tuned p ms':>10}" if m.get("allocator") == "both" else ""),
     ]
@@ -489,20 +621,21 @@ def format_table(result: dict) -> str:
         if r["op"] == "memory_fwd_bwd":
             continue
         lines.append(
-            f"{shape_of(r):<26} {r['op']:<17} {r['kernel_ms']:>10.3f} {r['plain_ms']:>10.3f} {r['speedup']:>7.2f}x "
+            f"{shape_of(r):<26} {r['op']:<20} {r['kernel_ms']:>10.3f} {r['plain_ms']:>10.3f} {r['speedup']:>7.2f}x "
             f"{r['kernel_gbs']:>7.2f} {r['kernel_gflops']:>8.2f} {r['roofline_floor_ms']:>9.3f} {r['bound']:>8} "
             f"{r['roofline_fraction']:>8.0%}" + _tuned_columns(r, 1.0, 10)
         )
     boundary = [r for r in result["rows"] if "separate_ms" in r]
     if boundary:
         lines += ["", "The fused boundary against post + pre as two kernel calls (bytes: the spec's Boundary section):"]
-        lines.append(f"{'shape':<26} {'op':<17} {'fused ms':>10} {'2 calls ms':>10} {'speedup':>8} {'bytes':>15}")
+        lines.append(f"{'shape':<26} {'op':<20} {'fused ms':>10} {'2 calls ms':>10} {'speedup':>8} {'bytes':>15}")
         for r in boundary:
             nbytes = f"{r['minimum_bytes'] / 2**20:.0f} / {r['separate_bytes'] / 2**20:.0f} MiB"
             lines.append(
-                f"{shape_of(r):<26} {r['op']:<17} {r['kernel_ms']:>10.3f} {r['separate_ms']:>10.3f} "
+                f"{shape_of(r):<26} {r['op']:<20} {r['kernel_ms']:>10.3f} {r['separate_ms']:>10.3f} "
                 f"{r['fused_speedup']:>7.2f}x {nbytes:>15}"
             )
+    lines += _v41_versus_v4(result["rows"], 1.0, "ms")
     memory = [r for r in result["rows"] if r["op"] == "memory_fwd_bwd"]
     if memory:
         lines += ["", "Peak memory added by one sublayer forward+backward (fresh process; XLA temp buffers):"]
@@ -523,7 +656,8 @@ def main(argv=None) -> int:
         "--table",
         default="both",
         choices=["decode", "roofline", "both"],
-        help="decode: T in {1, 8, 64}, D in {4096, 7168}, the four operations; roofline: --tokens x --dims",
+        help="decode: T in {1, 8, 64}, D in {4096, 7168}, the four operations, the boundaries, V4.1's pre and "
+        "collapse (forward); roofline: --tokens x --dims",
     )
     parser.add_argument(
         "--decode-tokens", type=int, nargs="+", default=list(DECODE_TOKENS), help="T of the decode table"
@@ -572,7 +706,7 @@ def main(argv=None) -> int:
             for d in args.decode_dims
             for t in args.decode_tokens
         ]
-        ops = [op for op in args.ops if op in OPS[:4]]
+        ops = [op for op in args.ops if op in DECODE_OPS]
         # More repeats: each call is short, and the median of few is noisy.
         output["decode"] = run(shapes, ops, max(args.repeats, 50), memory=False, allocator=args.allocator)
         print(format_decode_table(output["decode"]))

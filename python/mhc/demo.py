@@ -1,11 +1,13 @@
 """Train a small byte-level transformer whose residual stream is mHC, on the CPU, end to end.
 
     python -m mhc.demo                       # defaults: ~3 minutes on 2 CPU cores
-    python -m mhc.demo --compare             # plain residual, hyper-connections, mHC and mHC-lite from
-                                             # one seed, deeper and narrower: ~3 minutes on 2 CPU cores
+    python -m mhc.demo --compare             # plain residual, hyper-connections, mHC, mHC-lite and
+                                             # DeepSeek-V4.1's mHC from one seed, deeper and narrower
     python -m mhc.demo --compare-paths       # the same mHC run on the kernels (with and without the
                                              # fused sublayer boundaries) and on plain JAX
     python -m mhc.demo --data my.txt --steps 2000 --residual mhc-lite --no-use-kernel
+    python -m mhc.demo --residual mhc-v4.1   # DeepSeek-V4.1's structure: the pre mix carried from
+                                             # the previous sublayer, no head
     python -m mhc.demo --recompute auto      # mHC's streams recomputed in groups of sublayers in the
                                              # backward (the paper's group size; or --recompute K)
 
@@ -71,7 +73,9 @@ class RunSpec:
     data: str | None
     progress: bool = True
     fuse_boundaries: bool = True  # each post fused with the next sublayer's pre (kernel path)
-    collapse: str = "head"  # n streams -> one: DeepSeek-V4's learned head, or their sum
+    # n streams -> one: DeepSeek-V4's learned head, their sum, or V4.1's carried collapse (None: the
+    # residual's own, ModelConfig.collapse)
+    collapse: str | None = None
     recompute: int | None = None  # mHC's streams kept only every this many sublayers (ModelConfig.recompute)
 
 
@@ -350,7 +354,9 @@ def print_summary(results: list[dict], out: Path, written: list[str]) -> None:
 # a learning rate where unconstrained hyper-connections' Amax gain grows within a few minutes.
 SINGLE_DEFAULTS = dict(steps=250, batch=16, seq_len=128, width=128, layers=4, lr=3e-3)
 COMPARE_DEFAULTS = dict(steps=200, batch=8, seq_len=64, width=64, layers=8, lr=1e-2)
-COMPARE_RESIDUALS = ("plain", "hc", "mhc", "mhc-lite")
+COMPARE_RESIDUALS = ("plain", "hc", "mhc", "mhc-lite", "mhc-v4.1")
+# The residuals run by mhc.flax's layers (the kernels, --recompute, --compare-paths).
+MHC_RESIDUALS = ("mhc", "mhc-lite", "mhc-v4.1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,15 +378,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--n", type=int, default=4, help="streams of the multi-stream residuals")
     parser.add_argument(
         "--residual",
-        choices=("plain", "hc", "mhc", "mhc-lite"),
+        choices=("plain", "hc", "mhc", "mhc-lite", "mhc-v4.1"),
         default="mhc",
-        help="plain, unconstrained hyper-connections (hc), mHC (Sinkhorn) or mHC-lite (permutations)",
+        help="plain, unconstrained hyper-connections (hc), mHC (Sinkhorn), mHC-lite (permutations) or "
+        "DeepSeek-V4.1's mHC (mhc-v4.1: each sublayer reads its input with the previous one's pre gates; "
+        "no head)",
     )
     parser.add_argument(
         "--collapse",
         choices=("head", "sum"),
-        default="head",
-        help="n streams -> one at the end: DeepSeek-V4's learned head (default) or their plain sum",
+        default=None,
+        help="n streams -> one at the end: DeepSeek-V4's learned head (default) or their plain sum; "
+        "mhc-v4.1 always ends with its own (the sum by the last sublayer's pre gates) and takes neither",
     )
     parser.add_argument(
         "--use-kernel",
@@ -424,9 +433,9 @@ def _recompute(parser: argparse.ArgumentParser, args) -> int | None:
     memory-minimizing CPU scheduler (which recompute needs) for this process and the runs it starts."""
     if args.recompute is None:
         return None
-    if not (args.compare or args.residual in ("mhc", "mhc-lite")) or not args.use_kernel:
+    if not (args.compare or args.residual in MHC_RESIDUALS) or not args.use_kernel:
         parser.error(
-            "--recompute rebuilds mHC's streams with its kernels: use --residual mhc or mhc-lite "
+            "--recompute rebuilds mHC's streams with its kernels: use --residual mhc, mhc-lite or mhc-v4.1 "
             "(or --compare), with the kernels"
         )
     if args.recompute != "auto" and not (args.recompute.isdigit() and int(args.recompute) >= 1):
@@ -454,8 +463,13 @@ def main(argv=None) -> int:
             setattr(args, key, value)
     if args.steps < 1 or args.batch < 1 or args.seq_len < 2:
         parser.error("--steps and --batch must be >= 1, --seq-len >= 2")
-    if args.compare_paths and args.residual not in ("mhc", "mhc-lite"):
-        parser.error("--compare-paths switches the mHC kernels: use --residual mhc or mhc-lite")
+    if args.compare_paths and args.residual not in MHC_RESIDUALS:
+        parser.error("--compare-paths switches the mHC kernels: use --residual mhc, mhc-lite or mhc-v4.1")
+    if args.collapse is not None and args.residual == "mhc-v4.1" and not args.compare:
+        parser.error(
+            "--collapse: mhc-v4.1 ends with its own collapse (the sum by the last sublayer's pre gates), "
+            "not a head or a plain sum"
+        )
     recompute = _recompute(parser, args)
 
     base = dict(
@@ -474,21 +488,23 @@ def main(argv=None) -> int:
         prompt=args.prompt,
         data=args.data,
         progress=not args.no_progress,
-        collapse=args.collapse,
     )
     if args.compare:
         specs = [
             RunSpec(
-                name=f"{kind}-k{recompute}" if recompute and kind in ("mhc", "mhc-lite") else kind,
+                name=f"{kind}-k{recompute}" if recompute and kind in MHC_RESIDUALS else kind,
                 residual=kind,
                 use_kernel=args.use_kernel,
-                recompute=recompute if kind in ("mhc", "mhc-lite") else None,
+                recompute=recompute if kind in MHC_RESIDUALS else None,
+                # --collapse is the V4 kinds'; mhc-v4.1's own collapse is part of its structure.
+                collapse=None if kind == "mhc-v4.1" else args.collapse,
                 **base,
             )
             for kind in COMPARE_RESIDUALS
         ]
         results = [_train_in_subprocess(spec) for spec in specs]
     elif args.compare_paths:
+        base["collapse"] = args.collapse
         specs = [
             RunSpec(name="kernel", residual=args.residual, use_kernel=True, recompute=recompute, **base),
             RunSpec(
@@ -510,6 +526,7 @@ def main(argv=None) -> int:
         )
         if recompute:
             name += f"-k{recompute}"
+        base["collapse"] = args.collapse
         spec = RunSpec(name=name, residual=args.residual, use_kernel=args.use_kernel, recompute=recompute, **base)
         results = [train(spec)]
     out = Path(args.out)

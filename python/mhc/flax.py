@@ -21,6 +21,13 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
     ``state = layer.chain(norm_fn, branch_fn, state)`` per sublayer, then
     ``mhc.jax.finish(state)``. ``layer(norm_fn, branch_fn, x)`` is one whole sublayer.
 
+    DeepSeek-V4.1 (``config.pre_from_previous``; spec: Single-pass schedule): each sublayer reads
+    its input with the previous sublayer's pre gates (the first: stream 0), so the mix is carried
+    from layer to layer. ``chain`` carries it in the ``Pending`` (the fused boundary passes it on);
+    a whole sublayer takes the streams [..., n, D] (first sublayer) or an ``mhc.jax.Streams`` and
+    returns ``mhc.jax.Streams(out, h_pre)``; a V4.1 stack ends with ``mhc.jax.collapse(state)``
+    (the sum by the last pre gates, no parameters) instead of a head.
+
     The parameters are held as norm_weight [n, D], phi [n, D, N], alpha [3] and bias [N] whatever
     the sharding (row k*D + d of the spec's flat [n*D] layout is [k, d]); ``params()`` gives the
     flat ``mhc.jax.Params`` and ``load_params`` sets them from one (e.g. ``mhc.interop``'s).
@@ -105,10 +112,23 @@ class ManifoldConstrainedHyperConnections(nnx.Module):
         self._mixed(opened.ctx.h_res)
         return mhc_jax.Pending(branch_fn(norm_fn(opened.layer_out)), opened.ctx)
 
-    def __call__(self, norm_fn: Callable, branch_fn: Callable, x: jax.Array) -> jax.Array:
-        layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
+    def __call__(self, norm_fn: Callable, branch_fn: Callable, x):
+        """One whole sublayer: the streams [..., n, D] after it. V4.1 (``config.pre_from_previous``):
+        x is the streams (the first sublayer, which reads stream 0) or an ``mhc.jax.Streams`` (the
+        carried mix with them), and the result is ``mhc.jax.Streams(out, this sublayer's h_pre)``."""
+        if not self.config.pre_from_previous:
+            if isinstance(x, mhc_jax.Streams):
+                raise TypeError(
+                    "x: an mhc.jax.Streams carries V4.1's mix, which this layer's config (pre_from_previous=False) "
+                    "does not read; pass the streams [..., n, D]"
+                )
+            layer_in, ctx = mhc_jax.pre(x, self.params(), self.config, use_kernel=self.use_kernel)
+            self._mixed(ctx.h_res)
+            return mhc_jax.post(branch_fn(norm_fn(layer_in)), ctx)
+        streams, carried = (x.x, x.carried) if isinstance(x, mhc_jax.Streams) else (x, None)
+        layer_in, ctx = mhc_jax.pre(streams, self.params(), self.config, carried=carried, use_kernel=self.use_kernel)
         self._mixed(ctx.h_res)
-        return mhc_jax.post(branch_fn(norm_fn(layer_in)), ctx)
+        return mhc_jax.Streams(mhc_jax.post(branch_fn(norm_fn(layer_in)), ctx), ctx.h_pre)
 
 
 def stack(
@@ -122,6 +142,10 @@ def stack(
     (or a ``Pending``): each ``layer.chain(norm_fn, branch_fn, state)``, whose result ends with
     ``mhc.jax.finish``; with ``fuse_boundaries=False`` each ``layer(norm_fn, branch_fn, x)`` whole
     (the result is then the streams).
+
+    DeepSeek-V4.1 layers (``config.pre_from_previous``, all of them or none): the carried mix goes
+    from each sublayer to the next (state may also be an ``mhc.jax.Streams``; unfused, the result
+    is one), and the stack ends with ``mhc.jax.collapse(state)`` instead of a head.
 
     recompute: as for ``mhc.jax.stack``: None keeps every sublayer's streams for the backward; k
     keeps them only at the start of every group of k sublayers, each group under ``nnx.remat``
@@ -138,6 +162,11 @@ def stack(
             raise TypeError(
                 f"sublayers[{index}]: expected (ManifoldConstrainedHyperConnections, norm_fn, branch_fn), "
                 f"got a {type(layer).__name__} first"
+            )
+        if layer.config.pre_from_previous != sublayers[0][0].config.pre_from_previous:
+            raise ValueError(
+                f"sublayers[{index}]: config.pre_from_previous={layer.config.pre_from_previous}, but sublayers[0] "
+                f"has {sublayers[0][0].config.pre_from_previous}: a stack runs one schedule (V4 or V4.1)"
             )
         if recompute is not None and not layer.use_kernel:
             raise ValueError(
@@ -170,6 +199,8 @@ def _group(callables: list, fuse_boundaries: bool) -> Callable:
             layer, norm_fn, branch_fn = (m if m is not None else c for m, c in zip(given, kept, strict=True))
             if fuse_boundaries:
                 state = layer.chain(norm_fn, branch_fn, state)
+            elif layer.config.pre_from_previous:  # Streams (or the first x), the carried mix kept
+                state = layer(norm_fn, branch_fn, mhc_jax.streams(state))
             else:
                 state = layer(norm_fn, branch_fn, mhc_jax.finish(state))
         return state

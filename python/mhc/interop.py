@@ -26,8 +26,14 @@ MaxText (``maxtext/layers/mhc.py``): one ``ManifoldConstrainedHyperConnections``
 ``DeepSeek4HyperHead`` (``decoder/hc_head``) holds ``hc_fn`` [M, n] (V4's fn transposed),
 ``hc_base`` [n], ``hc_scale`` [1].
 
+DeepSeek-V4.1 (spec: "Single-pass schedule") stores the same per-layer tensors under the same
+names in both namings (``fn`` F32 [24, 20480] at n = 4, D = 5120) and has no ``hc_head_*``: its
+model ends with the collapse by the last sublayer's pre gates (``mhc.jax.collapse``), which has no
+parameters. What tells the two apart is the config: ``hc_pre_from_prev_sublayer`` true, which
+``config_from_v4`` turns into ``Config(pre_from_previous=True)``, and ``load_v4`` then reads no head.
+
 The hyper-parameters live in ``mhc.jax.Config``, not in the weights: ``config_from_v4`` reads them
-from a DeepSeek-V4 ``config.json``. Every function returns NumPy float32 arrays (host memory);
+from a DeepSeek-V4 or V4.1 ``config.json``. Every function returns NumPy float32 arrays (host memory);
 pass them to ``jax.device_put`` to place them.
 """
 
@@ -52,6 +58,9 @@ SUBLAYERS = ("attn", "ffn")
 _EXACT_DTYPES = ("float32", "bfloat16", "float16")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _INDEX_FILE = "model.safetensors.index.json"
+# DeepSeek-V4.1's config.json switch to its single-pass schedule, and its mHC RMS eps (spec).
+V41_SCHEDULE_KEY = "hc_pre_from_prev_sublayer"
+V41_RMS_EPS = 1e-20
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,18 +90,34 @@ def v4_head_names(naming: str = "v4") -> dict[str, str]:
 
 
 def config_from_v4(model_config: Mapping) -> Config:
-    """The ``Config`` of a DeepSeek-V4 ``config.json`` (a dict; native or Hugging Face keys).
+    """The ``Config`` of a DeepSeek-V4 or V4.1 ``config.json`` (a dict; native or Hugging Face keys).
 
     V4 uses one ``hc_eps`` for the pre gate and for Sinkhorn and ``norm_eps`` (HF: ``rms_norm_eps``)
     for the RMS statistic; post_scale is V4's fixed 2. Absent keys take V4's ``ModelArgs``
     defaults (20 Sinkhorn iterations, eps 1e-6); ``hc_mult`` is required.
+
+    V4.1: ``hc_pre_from_prev_sublayer`` true gives ``pre_from_previous=True`` (absent or false:
+    V4's schedule). Its mHC RMS statistic takes its own eps, 1e-20 (spec: Single-pass schedule),
+    not the model's ``norm_eps`` (which stays its RMSNorms'), so ``rms_eps`` is 1e-20 there;
+    ``pre_eps = sinkhorn_eps = hc_eps`` as in V4. Replace a field with ``dataclasses.replace``.
     """
     if not isinstance(model_config, Mapping):
         raise TypeError(f"model_config: expected a mapping (the parsed config.json), got {type(model_config).__name__}")
     if "hc_mult" not in model_config:
         raise KeyError("model_config: 'hc_mult' missing (the number of residual streams n)")
-    rms_eps = model_config.get("norm_eps", model_config.get("rms_norm_eps", 1e-6))
+    pre_from_previous = model_config.get(V41_SCHEDULE_KEY, False)
+    if not isinstance(pre_from_previous, bool):
+        raise TypeError(
+            f"model_config[{V41_SCHEDULE_KEY!r}]: expected true or false, got {type(pre_from_previous).__name__} "
+            f"{pre_from_previous!r}"
+        )
+    if pre_from_previous:
+        rms_eps = V41_RMS_EPS
+    else:
+        rms_eps = model_config.get("norm_eps", model_config.get("rms_norm_eps", 1e-6))
     hc_eps = model_config.get("hc_eps", 1e-6)
+    # Config gains pre_from_previous with V4.1; a V4 config is built without naming it.
+    schedule = {"pre_from_previous": True} if pre_from_previous else {}
     return Config(
         n=model_config["hc_mult"],
         mix="sinkhorn",
@@ -101,7 +126,12 @@ def config_from_v4(model_config: Mapping) -> Config:
         rms_eps=rms_eps,
         pre_eps=hc_eps,
         post_scale=2.0,
+        **schedule,
     )
+
+
+def _is_v41(config: Config) -> bool:
+    return bool(getattr(config, "pre_from_previous", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,7 +338,7 @@ def load_v4(
     *,
     naming: str | None = None,
     layers: Iterable[int] | None = None,
-    head: bool = True,
+    head: bool | None = None,
     dim: int | None = None,
 ) -> V4Weights:
     """Read only the mHC tensors of a safetensors checkpoint and convert them (f32, bf16 or f16 -> f32).
@@ -321,7 +351,9 @@ def load_v4(
     (``model.hc_head.hc_fn``); "v4" or "hf" requires that naming for both. Either way the names
     may carry transformers' ``model.`` prefix or not (transformers adds or drops it by the class
     saved). layers: the layer indices to read (default: every ``layers.{i}`` the checkpoint has;
-    MTP layers are not included). head: also read the head. Tensors are read one at a time with
+    MTP layers are not included). head: also read the head; None (default) reads it for a V4
+    ``config`` and not for a V4.1 one (``config.pre_from_previous``: V4.1 has no head, and True
+    then raises ValueError). Tensors are read one at a time with
     ``safetensors.safe_open``; shapes and dtypes are checked from the headers before any data is
     read. Raises KeyError naming a missing tensor, the file it was expected in and the file's
     tensors with the nearest names; ValueError for a wrong shape (expected vs got, and the file),
@@ -330,6 +362,15 @@ def load_v4(
     _check_config(config)
     if naming is not None:
         _check_choice("naming", naming, NAMINGS)
+    if head is None:
+        head = not _is_v41(config)
+    elif not isinstance(head, bool):
+        raise TypeError(f"head: expected True, False or None, got {type(head).__name__} {head!r}")
+    elif head and _is_v41(config):
+        raise ValueError(
+            "head: DeepSeek-V4.1 (config.pre_from_previous) has no head tensors: its model ends with "
+            "mhc.jax.collapse, which has no parameters; pass head=None or False"
+        )
     safe_open = _import_safe_open()
     locations = _tensor_locations(path)
     if layers is None:
@@ -641,6 +682,8 @@ def _checked_head(head, config: Config):
 __all__ = [
     "NAMINGS",
     "SUBLAYERS",
+    "V41_RMS_EPS",
+    "V41_SCHEDULE_KEY",
     "V4Weights",
     "config_from_v4",
     "head_from_maxtext",

@@ -1,16 +1,20 @@
 """A small DeepSeek-V4-shaped decoder-only byte-level transformer for the demo and for experiments,
-whose residual is one of four kinds (``ModelConfig.residual``):
+whose residual is one of five kinds (``ModelConfig.residual``):
 
 - ``plain``: one residual stream, ``h + F(norm(h))``;
 - ``hc``: unconstrained dynamic hyper-connections (Zhu et al., 2024, arXiv 2409.19606), the
   baseline that mHC fixes (``HyperConnections``, plain JAX);
 - ``mhc``: mHC, H_res doubly stochastic by Sinkhorn (``mhc.flax.ManifoldConstrainedHyperConnections``);
-- ``mhc-lite``: mHC with H_res a convex mix of permutations.
+- ``mhc-lite``: mHC with H_res a convex mix of permutations;
+- ``mhc-v4.1``: DeepSeek-V4.1's structure (spec: Single-pass schedule): Sinkhorn mHC whose every
+  sublayer reads its input with the previous sublayer's pre gates (the first: stream 0), and whose
+  streams end in the collapse by the last sublayer's pre gates (``mhc.jax.collapse``), no head.
 
 With n streams (every kind but plain): embedding -> ``mhc.jax.expand`` to n streams -> L blocks of
 (attention sublayer, MLP sublayer), each sublayer wrapped by the residual's connections -> the
 collapse of the n streams into one (``ModelConfig.collapse``: DeepSeek-V4's learned head
-``mhc.flax.Head``, or the plain sum ``mhc.jax.reduce``) -> final RMSNorm -> logits.
+``mhc.flax.Head``, the plain sum ``mhc.jax.reduce``, or, for ``mhc-v4.1`` only, V4.1's carried
+collapse) -> final RMSNorm -> logits.
 
 Every multi-stream kind sows its H_res per sublayer when asked (``sow_mixes``, turned on by
 ``nnx.view``), and ``Transformer.residual_mixes`` collects them with ``nnx.capture`` (in the spec's
@@ -29,8 +33,10 @@ from flax import nnx
 from mhc import jax as mhc_jax
 from mhc.flax import Head, ManifoldConstrainedHyperConnections, stack
 
-RESIDUALS = ("plain", "hc", "mhc", "mhc-lite")
-COLLAPSES = ("head", "sum")
+RESIDUALS = ("plain", "hc", "mhc", "mhc-lite", "mhc-v4.1")
+# The residuals that run mhc.flax's layers (and so its kernels, recompute and fused boundaries).
+MHC_RESIDUALS = ("mhc", "mhc-lite", "mhc-v4.1")
+COLLAPSES = ("head", "sum", "carried")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -41,10 +47,14 @@ class ModelConfig:
     layers: int = 4
     heads: int = 4
     mlp_ratio: int = 4
-    residual: str = "mhc"  # plain | hc (unconstrained) | mhc (Sinkhorn) | mhc-lite (permutations)
+    # plain | hc (unconstrained) | mhc (Sinkhorn) | mhc-lite (permutations) | mhc-v4.1 (V4.1's schedule)
+    residual: str = "mhc"
     n: int = 4  # streams of a multi-stream residual
-    collapse: str = "head"  # how n streams become one: V4's learned head, or their sum
-    use_kernel: bool = True  # fused C++ kernels (mHC sublayers and the head), or the plain-JAX path
+    # How n streams become one: "head" (V4's learned head), "sum", or "carried" (V4.1's sum by the
+    # last sublayer's pre gates; mhc-v4.1 only, and the only one it has). None: the residual's own,
+    # "carried" for mhc-v4.1, "head" for the others (``final_collapse``).
+    collapse: str | None = None
+    use_kernel: bool = True  # fused C++ kernels (mHC sublayers, the head, the collapse), or the plain-JAX path
     fuse_boundaries: bool = True  # each mHC post fused with the next sublayer's pre, or run whole
     # mHC's streams kept for the backward only at the start of every group of this many sublayers
     # (the backward rebuilds the others with the kernels); None keeps them all. mhc.flax.stack.
@@ -54,8 +64,18 @@ class ModelConfig:
     def __post_init__(self):
         if self.residual not in RESIDUALS:
             raise ValueError(f"residual: expected one of {RESIDUALS}, got {self.residual!r}")
-        if self.collapse not in COLLAPSES:
-            raise ValueError(f"collapse: expected one of {COLLAPSES}, got {self.collapse!r}")
+        if self.collapse is not None and self.collapse not in COLLAPSES:
+            raise ValueError(f"collapse: expected None or one of {COLLAPSES}, got {self.collapse!r}")
+        if self.residual == "mhc-v4.1" and self.collapse not in (None, "carried"):
+            raise ValueError(
+                "collapse: residual 'mhc-v4.1' ends with the sum by the last sublayer's pre gates (no head "
+                f"parameters): expected None or 'carried', got {self.collapse!r}"
+            )
+        if self.residual != "mhc-v4.1" and self.collapse == "carried":
+            raise ValueError(
+                "collapse: 'carried' (the sum by the last sublayer's pre gates) is DeepSeek-V4.1's: expected "
+                f"residual 'mhc-v4.1', got residual={self.residual!r}"
+            )
         if self.width % self.heads:
             raise ValueError(f"width: expected a multiple of heads={self.heads}, got {self.width}")
         if self.dtype not in DTYPES:
@@ -63,13 +83,26 @@ class ModelConfig:
         if self.recompute is not None:
             if isinstance(self.recompute, bool) or not isinstance(self.recompute, int) or self.recompute < 1:
                 raise ValueError(f"recompute: expected None or a group size >= 1 (sublayers), got {self.recompute!r}")
-            if self.residual not in ("mhc", "mhc-lite") or not self.use_kernel:
+            if self.residual not in MHC_RESIDUALS or not self.use_kernel:
                 raise ValueError(
-                    "recompute: rebuilds mHC's streams with its kernels: expected residual 'mhc' or 'mhc-lite' "
+                    f"recompute: rebuilds mHC's streams with its kernels: expected residual in {MHC_RESIDUALS} "
                     f"with use_kernel=True, got residual={self.residual!r}, use_kernel={self.use_kernel}"
                 )
 
+    @property
+    def final_collapse(self) -> str | None:
+        """How the n streams become one: "head", "sum" or "carried"; None for the plain residual."""
+        if self.residual == "plain":
+            return None
+        if self.collapse is not None:
+            return self.collapse
+        return "carried" if self.residual == "mhc-v4.1" else "head"
+
     def mhc_config(self) -> mhc_jax.Config:
+        """The mHC layers' Config. mhc-v4.1 keeps the other kinds' eps (not V4.1's rms_eps 1e-20),
+        so that a comparison differs in the schedule alone."""
+        if self.residual == "mhc-v4.1":
+            return mhc_jax.Config(n=self.n, pre_from_previous=True)
         return mhc_jax.Config(n=self.n, mix="permutations" if self.residual == "mhc-lite" else "sinkhorn")
 
 
@@ -196,10 +229,11 @@ def gelu(u):
     """``jax.nn.gelu`` (tanh form) whose backward keeps only its input u and derives the gradient
     from it. JAX's autodiff keeps several [.., 4 D] intermediates (u^3, the tanh, ...), which XLA
     must store once they cross ``jax.checkpoint``'s barrier (mHC's recompute groups): 14.5 MiB of
-    the 16 sublayers' f32 temporaries at D = 128. Without a checkpoint XLA merges this backward's
-    recomputation with the forward's gelu and still keeps the tanh (f32) or three bf16-rounded
-    intermediates per MLP (seen in the buffer assignment; an optimization barrier on u here would
-    stop that, not done yet). Same values and gradients as ``jax.nn.gelu``."""
+    the 16 sublayers' f32 temporaries at D = 128. The backward reads u through an optimization
+    barrier: without it XLA merges the backward's recomputation with the forward's gelu and keeps
+    the tanh (f32) or three bf16-rounded intermediates per MLP until the backward (seen in the
+    buffer assignment), whether or not a checkpoint is around. Same values and gradients as
+    ``jax.nn.gelu``."""
     return jax.nn.gelu(u)
 
 
@@ -208,7 +242,9 @@ def _gelu_fwd(u):
 
 
 def _gelu_bwd(u, d_out):
-    return jax.vjp(jax.nn.gelu, u)[1](d_out)
+    # The barrier keeps XLA from computing this backward's intermediates with the forward's gelu
+    # (and so storing them from the forward on); it recomputes them here from u.
+    return jax.vjp(jax.nn.gelu, jax.lax.optimization_barrier(u))[1](d_out)
 
 
 gelu.defvjp(_gelu_fwd, _gelu_bwd)
@@ -275,7 +311,7 @@ class Transformer(nnx.Module):
         dtype = jnp.dtype(config.dtype)
         self.embed = nnx.Embed(config.vocab, config.width, dtype=dtype, rngs=rngs)
         self.blocks = nnx.List([Block(config, i, rngs=rngs, mix_rngs=mix_rngs) for i in range(config.layers)])
-        if config.residual != "plain" and config.collapse == "head":
+        if config.final_collapse == "head":
             self.collapse = Head(config.mhc_config(), config.width, use_kernel=config.use_kernel, rngs=mix_rngs)
         else:
             self.collapse = None
@@ -298,8 +334,11 @@ class Transformer(nnx.Module):
                 state = stack(
                     state, sublayers, recompute=self.config.recompute, fuse_boundaries=self.config.fuse_boundaries
                 )
-            streams = mhc_jax.finish(state)
-            h = mhc_jax.reduce(streams) if self.collapse is None else self.collapse(streams)
+            if self.config.final_collapse == "carried":
+                h = mhc_jax.collapse(state, use_kernel=self.config.use_kernel)
+            else:
+                streams = mhc_jax.finish(state)
+                h = mhc_jax.reduce(streams) if self.collapse is None else self.collapse(streams)
         return self.head(self.final_norm(h))
 
     def residual_mixes(self, tokens) -> np.ndarray:

@@ -251,9 +251,22 @@ PostBackward post_backward(const Config& config, const Vec& g, const Vec& x, con
   return out;
 }
 
-PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
-                         const Vec& dh_post, const Vec& dh_res, const Vec& x,
-                         const Params& params) {
+namespace {
+
+// The weight of stream k in the pre-apply of token t: the carried mix [T, n], or, when it is
+// empty, the one-hot on stream 0 (spec: Single-pass schedule).
+double carried_weight(const Vec& carried, int64_t n, int64_t t, int64_t k) {
+  if (carried.empty()) return k == 0 ? 1.0 : 0.0;
+  return carried[t * n + k];
+}
+
+// pre_backward with its two sources of the pre-apply made explicit: `carried` null (V4) applies
+// the sublayer's own H_pre and takes dH_pre = <x_k, dli>; otherwise (V4.1) the pre-apply reads
+// *carried (empty: the one-hot), <x_k, dli> goes to dcarried, and the gates take `dh_pre_in`.
+PreBackward pre_backward_general(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
+                                 const Vec* dh_pre_in, const Vec& dh_post, const Vec& dh_res,
+                                 const Vec& x, const Vec* carried, const Params& params,
+                                 Vec* dcarried) {
   const int64_t n = config.n, D = config.dim, M = flat_width(config);
   const int64_t N = projection_width(config);
   const int64_t T = static_cast<int64_t>(x.size()) / M;
@@ -261,18 +274,24 @@ PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& 
   out.dx = dx_partial;
   out.grads = Params{Vec(static_cast<size_t>(M), 0.0), Vec(static_cast<size_t>(M * N), 0.0),
                      Vec(3, 0.0), Vec(static_cast<size_t>(N), 0.0)};
+  if (carried != nullptr && !carried->empty()) dcarried->assign(static_cast<size_t>(T * n), 0.0);
   for (int64_t t = 0; t < T; ++t) {
     const double* xt = x.data() + t * M;
     const double* dli = dlayer_in.data() + t * D;
     const TokenCoefficients tc = token_coefficients(config, xt, params);
 
-    // Pre-apply: dx += H_pre dli, dH_pre = <x_k, dli>.
+    // Pre-apply: dx += H_pre dli, dH_pre = <x_k, dli> (V4); dx += p dli, dp = <x_k, dli> (V4.1).
     Vec da(static_cast<size_t>(N), 0.0);
     for (int64_t k = 0; k < n; ++k) {
+      const double weight = carried == nullptr ? tc.h_pre[k] : carried_weight(*carried, n, t, k);
       double dh_pre = 0.0;
       for (int64_t d = 0; d < D; ++d) {
-        out.dx[t * M + k * D + d] += tc.h_pre[k] * dli[d];
+        out.dx[t * M + k * D + d] += weight * dli[d];
         dh_pre += xt[k * D + d] * dli[d];
+      }
+      if (carried != nullptr) {
+        if (!carried->empty()) (*dcarried)[t * n + k] = dh_pre;
+        dh_pre = (*dh_pre_in)[t * n + k];
       }
       // Gates (pre_eps carries no gradient).
       const double s_pre = sigmoid(tc.a[k]);
@@ -312,6 +331,67 @@ PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& 
   return out;
 }
 
+}  // namespace
+
+PreBackward pre_backward(const Config& config, const Vec& dlayer_in, const Vec& dx_partial,
+                         const Vec& dh_post, const Vec& dh_res, const Vec& x,
+                         const Params& params) {
+  return pre_backward_general(config, dlayer_in, dx_partial, nullptr, dh_post, dh_res, x, nullptr,
+                              params, nullptr);
+}
+
+PreForward pre_forward_carried(const Config& config, const Vec& x, const Vec& carried,
+                               const Params& params) {
+  // Steps 1-5 as in V4; step 6 reads the carried mix, the same sum as the final collapse.
+  PreForward out = pre_forward(config, x, params);
+  out.layer_in = collapse_forward(config, x, carried);
+  return out;
+}
+
+PreBackwardCarried pre_backward_carried(const Config& config, const Vec& dlayer_in,
+                                        const Vec& dx_partial, const Vec& dh_pre,
+                                        const Vec& dh_post, const Vec& dh_res, const Vec& x,
+                                        const Vec& carried, const Params& params) {
+  PreBackwardCarried out;
+  PreBackward back = pre_backward_general(config, dlayer_in, dx_partial, &dh_pre, dh_post, dh_res,
+                                          x, &carried, params, &out.dcarried);
+  out.dx = std::move(back.dx);
+  out.grads = std::move(back.grads);
+  return out;
+}
+
+Vec collapse_forward(const Config& config, const Vec& x, const Vec& carried) {
+  const int64_t n = config.n, D = config.dim;
+  const int64_t T = static_cast<int64_t>(x.size()) / (n * D);
+  Vec out(static_cast<size_t>(T * D), 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < n; ++k) {
+      const double weight = carried_weight(carried, n, t, k);
+      for (int64_t d = 0; d < D; ++d) out[t * D + d] += weight * x[(t * n + k) * D + d];
+    }
+  }
+  return out;
+}
+
+CollapseBackward collapse_backward(const Config& config, const Vec& dout, const Vec& x,
+                                   const Vec& carried) {
+  const int64_t n = config.n, D = config.dim;
+  const int64_t T = static_cast<int64_t>(x.size()) / (n * D);
+  CollapseBackward out{Vec(x.size(), 0.0), Vec(carried.empty() ? 0 : static_cast<size_t>(T * n))};
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < n; ++k) {
+      const double weight = carried_weight(carried, n, t, k);
+      double dweight = 0.0;
+      for (int64_t d = 0; d < D; ++d) {
+        out.dx[(t * n + k) * D + d] = weight * dout[t * D + d];
+        dweight += x[(t * n + k) * D + d] * dout[t * D + d];
+      }
+      if (!carried.empty()) out.dcarried[t * n + k] = dweight;
+    }
+  }
+  return out;
+}
+
 BoundaryForward boundary_forward(const Config& config, const Vec& x, const Vec& layer_out,
                                  const Vec& h_post, const Vec& h_res, const Params& next_params) {
   BoundaryForward out;
@@ -331,6 +411,33 @@ BoundaryBackward boundary_backward(const Config& config, const Vec& next_dlayer_
                                   next_dh_res, x_next, next_params);
   return BoundaryBackward{post_backward(config, next.dx, x, layer_out, h_post, h_res),
                           std::move(next.grads)};
+}
+
+BoundaryForward boundary_forward_carried(const Config& config, const Vec& x, const Vec& layer_out,
+                                         const Vec& h_pre, const Vec& h_post, const Vec& h_res,
+                                         const Params& next_params) {
+  BoundaryForward out;
+  out.x_next = post_forward(config, x, layer_out, h_post, h_res);
+  for (double& value : out.x_next) value = rounded(value);
+  out.next = pre_forward_carried(config, out.x_next, h_pre, next_params);
+  return out;
+}
+
+BoundaryBackwardCarried boundary_backward_carried(const Config& config, const Vec& next_dlayer_in,
+                                                  const Vec& next_dx_partial,
+                                                  const Vec& next_dh_pre, const Vec& next_dh_post,
+                                                  const Vec& next_dh_res, const Vec& x,
+                                                  const Vec& layer_out, const Vec& h_pre,
+                                                  const Vec& h_post, const Vec& h_res,
+                                                  const Params& next_params) {
+  Vec x_next = post_forward(config, x, layer_out, h_post, h_res);
+  for (double& value : x_next) value = rounded(value);
+  const Vec& carried = h_pre;  // sublayer l's gates are the mix sublayer l+1 reads
+  PreBackwardCarried next =
+      pre_backward_carried(config, next_dlayer_in, next_dx_partial, next_dh_pre, next_dh_post,
+                           next_dh_res, x_next, carried, next_params);
+  return BoundaryBackwardCarried{post_backward(config, next.dx, x, layer_out, h_post, h_res),
+                                 std::move(next.dcarried), std::move(next.grads)};
 }
 
 namespace {

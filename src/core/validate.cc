@@ -104,6 +104,47 @@ void ArgumentChecker::head_grads(const HeadGrads& grads) {
   output("grads.scale", grads.scale, {1}, DType::f32);
 }
 
+bool ArgumentChecker::carried(const std::string& name, const TensorRef& view) {
+  if (view.rank == 0 && view.data == nullptr) return false;
+  if (view.rank == 2 && view.shape[0] == dims_.T && view.shape[1] == 0) {
+    check_view(name, view, {dims_.T, 0}, DType::f32, false);
+    return false;
+  }
+  if (view.rank != 2 || view.shape[0] != dims_.T || view.shape[1] != dims_.n) {
+    throw Error(op_, name,
+                "expected shape " + shape_text({dims_.T, dims_.n}) +
+                    " (the carried mix, f32 [T, n]) or absent (an empty view or shape " +
+                    shape_text({dims_.T, 0}) + ": the one-hot on stream 0), got " +
+                    view.shape_string());
+  }
+  check_view(name, view, {dims_.T, dims_.n}, DType::f32, false);
+  return true;
+}
+
+void ArgumentChecker::dcarried(const std::string& name, const MutableTensorRef& view,
+                               bool carried_present) {
+  const bool empty_view = view.rank == 0 && view.data == nullptr;
+  const bool zero_width = view.rank == 2 && view.shape[0] == dims_.T && view.shape[1] == 0;
+  if (carried_present) {
+    if (empty_view || zero_width) {
+      throw Error(op_, name,
+                  "expected shape " + shape_text({dims_.T, dims_.n}) +
+                      " (f32 [T, n]) because carried is present, got " +
+                      TensorRef(view).shape_string());
+    }
+    output(name, view, {dims_.T, dims_.n}, DType::f32);
+    return;
+  }
+  if (empty_view) return;
+  if (!zero_width) {
+    throw Error(op_, name,
+                "expected absent (an empty view or shape " + shape_text({dims_.T, 0}) +
+                    ") because carried is absent (the one-hot on stream 0 has no cotangent), got " +
+                    TensorRef(view).shape_string());
+  }
+  output(name, view, {dims_.T, 0}, DType::f32);
+}
+
 void ArgumentChecker::head() {
   dims_.pre_gates_only = true;
   dims_.N = dims_.n;
@@ -345,6 +386,157 @@ Dims check_head_backward(const char* op, const Config& config, const TensorRef& 
   check.head_params(params);
   check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
   check.head_grads(grads);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_forward_carried(const char* op, const Config& config, const TensorRef& x,
+                               const TensorRef& carried, const Params& params,
+                               const PreForwardOutputs& outputs) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("pre_forward_partials and pre_forward_finish_carried");
+  check.tokens("x", x);
+  check.carried("carried", carried);
+  check.params(params);
+  check.pre_forward_outputs(outputs, x.dtype);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_backward_carried(const char* op, const Config& config, const TensorRef& dlayer_in,
+                                const TensorRef& dx_partial, const TensorRef& dh_pre,
+                                const TensorRef& dh_post, const TensorRef& dh_res,
+                                const TensorRef& x, const TensorRef& carried, const Params& params,
+                                const MutableTensorRef& dx, const MutableTensorRef& dcarried,
+                                const ParamGrads& grads) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("pre_backward_partials and pre_backward_finish_carried");
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
+  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
+  const bool present = check.carried("carried", carried);
+  check.params(params);
+  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
+  check.dcarried("dcarried", dcarried, present);
+  check.grads(grads);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_collapse_forward(const char* op, const Config& config, const TensorRef& x,
+                            const TensorRef& carried, const MutableTensorRef& out) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.carried("carried", carried);
+  check.output("out", out, {d.T, d.D}, x.dtype);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_collapse_backward(const char* op, const Config& config, const TensorRef& dout,
+                             const TensorRef& x, const TensorRef& carried,
+                             const MutableTensorRef& dx, const MutableTensorRef& dcarried) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dout", dout, {d.T, d.D}, x.dtype);
+  const bool present = check.carried("carried", carried);
+  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
+  check.dcarried("dcarried", dcarried, present);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_boundary_forward_carried(const char* op, const Config& config, const TensorRef& x,
+                                    const TensorRef& layer_out, const TensorRef& h_pre,
+                                    const TensorRef& h_post, const TensorRef& h_res,
+                                    const Params& next_params, const MutableTensorRef& x_next,
+                                    const PreForwardOutputs& next) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("post_forward, then pre_forward_partials and pre_forward_finish_carried");
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.post_inputs(layer_out, h_post, h_res);
+  check.tensor("h_pre", h_pre, {d.T, d.n}, DType::f32);
+  check.params(next_params, "next_params");
+  check.output("x_next", x_next, {d.T, d.n, d.D}, x.dtype);
+  check.pre_forward_outputs(next, x.dtype, "next.");
+  check.finish();
+  return check.dims();
+}
+
+Dims check_boundary_backward_carried(const char* op, const Config& config,
+                                     const TensorRef& next_dlayer_in,
+                                     const TensorRef& next_dx_partial, const TensorRef& next_dh_pre,
+                                     const TensorRef& next_dh_post, const TensorRef& next_dh_res,
+                                     const TensorRef& x, const TensorRef& layer_out,
+                                     const TensorRef& h_pre, const TensorRef& h_post,
+                                     const TensorRef& h_res, const Params& next_params,
+                                     const PostBackwardOutputs& outputs,
+                                     const MutableTensorRef& dh_pre, const ParamGrads& next_grads) {
+  ArgumentChecker check(op, config);
+  check.whole_dim("pre_backward_partials and pre_backward_finish_carried, then post_backward");
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("next_dlayer_in", next_dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("next_dx_partial", next_dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("next_dh_pre", next_dh_pre, {d.T, d.n}, DType::f32);
+  check.tensor("next_dh_post", next_dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("next_dh_res", next_dh_res, {d.T, d.n, d.n}, DType::f32);
+  const DType lo_dtype = check.post_inputs(layer_out, h_post, h_res);
+  check.tensor("h_pre", h_pre, {d.T, d.n}, DType::f32);
+  check.params(next_params, "next_params");
+  check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);
+  check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
+  check.output("dh_res", outputs.dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.output("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
+  check.grads(next_grads, "next_grads");
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_forward_finish_carried(const char* op, const Config& config, const TensorRef& x,
+                                      const TensorRef& partials, const TensorRef& carried,
+                                      const TensorRef& alpha, const TensorRef& bias,
+                                      const PreForwardOutputs& outputs) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+  check.carried("carried", carried);
+  check.tensor("alpha", alpha, {3}, DType::f32);
+  check.tensor("bias", bias, {d.N}, DType::f32);
+  check.pre_forward_outputs(outputs, x.dtype);
+  check.finish();
+  return check.dims();
+}
+
+Dims check_pre_backward_finish_carried(const char* op, const Config& config,
+                                       const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                                       const TensorRef& dh_pre, const TensorRef& dh_post,
+                                       const TensorRef& dh_res, const TensorRef& x,
+                                       const TensorRef& partials, const TensorRef& carried,
+                                       const Params& params, const MutableTensorRef& dx,
+                                       const ParamGrads& grads) {
+  ArgumentChecker check(op, config);
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
+  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+  check.carried("carried", carried);
+  check.params(params);
+  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
+  check.grads(grads);
   check.finish();
   return check.dims();
 }

@@ -50,6 +50,11 @@ class ArgumentChecker {
   // The post operations' inputs: layer_out [T, D] (f32 or bf16, its own dtype), h_post [T, n]
   // and h_res [T, n, n] (f32). Returns layer_out's dtype, which dlayer_out shares.
   DType post_inputs(const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res);
+  // A carried mix (V4.1, mhc/ops.h): f32 [T, n], or absent (an empty view or [T, 0]: the one-hot
+  // on stream 0). Returns whether it is present.
+  bool carried(const std::string& name, const TensorRef& view);
+  // Its cotangent, an output: f32 [T, n] when the carried mix is present, else absent as well.
+  void dcarried(const std::string& name, const MutableTensorRef& view, bool carried_present);
   // The head: only the pre gates, so N = n and R = 0 from here on.
   void head();
   // The head's parameters (fn [n, M], base [n], scale [1]) and their gradients, f32.
@@ -119,5 +124,50 @@ Dims check_boundary_backward(const char* op, const Config& config, const TensorR
                              const TensorRef& layer_out, const TensorRef& h_post,
                              const TensorRef& h_res, const Params& next_params,
                              const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
+
+// DeepSeek-V4.1's carried mix (mhc/ops.h). carried_present() tells a validated carried view from
+// an absent one.
+inline bool carried_present(const TensorRef& carried) {
+  return carried.rank == 2 && carried.shape[1] != 0;
+}
+Dims check_pre_forward_carried(const char* op, const Config& config, const TensorRef& x,
+                               const TensorRef& carried, const Params& params,
+                               const PreForwardOutputs& outputs);
+Dims check_pre_backward_carried(const char* op, const Config& config, const TensorRef& dlayer_in,
+                                const TensorRef& dx_partial, const TensorRef& dh_pre,
+                                const TensorRef& dh_post, const TensorRef& dh_res,
+                                const TensorRef& x, const TensorRef& carried, const Params& params,
+                                const MutableTensorRef& dx, const MutableTensorRef& dcarried,
+                                const ParamGrads& grads);
+Dims check_collapse_forward(const char* op, const Config& config, const TensorRef& x,
+                            const TensorRef& carried, const MutableTensorRef& out);
+Dims check_collapse_backward(const char* op, const Config& config, const TensorRef& dout,
+                             const TensorRef& x, const TensorRef& carried,
+                             const MutableTensorRef& dx, const MutableTensorRef& dcarried);
+Dims check_boundary_forward_carried(const char* op, const Config& config, const TensorRef& x,
+                                    const TensorRef& layer_out, const TensorRef& h_pre,
+                                    const TensorRef& h_post, const TensorRef& h_res,
+                                    const Params& next_params, const MutableTensorRef& x_next,
+                                    const PreForwardOutputs& next);
+Dims check_boundary_backward_carried(const char* op, const Config& config,
+                                     const TensorRef& next_dlayer_in,
+                                     const TensorRef& next_dx_partial, const TensorRef& next_dh_pre,
+                                     const TensorRef& next_dh_post, const TensorRef& next_dh_res,
+                                     const TensorRef& x, const TensorRef& layer_out,
+                                     const TensorRef& h_pre, const TensorRef& h_post,
+                                     const TensorRef& h_res, const Params& next_params,
+                                     const PostBackwardOutputs& outputs,
+                                     const MutableTensorRef& dh_pre, const ParamGrads& next_grads);
+Dims check_pre_forward_finish_carried(const char* op, const Config& config, const TensorRef& x,
+                                      const TensorRef& partials, const TensorRef& carried,
+                                      const TensorRef& alpha, const TensorRef& bias,
+                                      const PreForwardOutputs& outputs);
+Dims check_pre_backward_finish_carried(const char* op, const Config& config,
+                                       const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                                       const TensorRef& dh_pre, const TensorRef& dh_post,
+                                       const TensorRef& dh_res, const TensorRef& x,
+                                       const TensorRef& partials, const TensorRef& carried,
+                                       const Params& params, const MutableTensorRef& dx,
+                                       const ParamGrads& grads);
 
 }  // namespace mhc::detail

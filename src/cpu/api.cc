@@ -105,6 +105,101 @@ void boundary_backward(const Config& config, const TensorRef& next_dlayer_in,
                          layer_out, h_post, h_res, next_params, outputs, next_grads);
 }
 
+namespace {
+// A validated carried mix's data, or null for the absent one (the one-hot on stream 0).
+const float* carried_data(const TensorRef& carried) {
+  return detail::carried_present(carried) ? static_cast<const float*>(carried.data) : nullptr;
+}
+}  // namespace
+
+void pre_forward_carried(const Config& config, const TensorRef& x, const TensorRef& carried,
+                         const Params& params, const PreForwardOutputs& outputs) {
+  const detail::Dims d = detail::check_pre_forward_carried("mhc::pre_forward_carried", config, x,
+                                                           carried, params, outputs);
+  cpu::pre_forward_carried(config, d, x, carried_data(carried), params, outputs);
+}
+
+void pre_backward_carried(const Config& config, const TensorRef& dlayer_in,
+                          const TensorRef& dx_partial, const TensorRef& dh_pre,
+                          const TensorRef& dh_post, const TensorRef& dh_res, const TensorRef& x,
+                          const TensorRef& carried, const Params& params,
+                          const MutableTensorRef& dx, const MutableTensorRef& dcarried,
+                          const ParamGrads& grads) {
+  const detail::Dims d = detail::check_pre_backward_carried(
+      "mhc::pre_backward_carried", config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x,
+      carried, params, dx, dcarried, grads);
+  cpu::pre_backward_carried(
+      config, d, dlayer_in, dx_partial, static_cast<const float*>(dh_pre.data), dh_post, dh_res, x,
+      carried_data(carried), params, dx, static_cast<float*>(dcarried.data), grads);
+}
+
+void collapse_forward(const Config& config, const TensorRef& x, const TensorRef& carried,
+                      const MutableTensorRef& out) {
+  const detail::Dims d =
+      detail::check_collapse_forward("mhc::collapse_forward", config, x, carried, out);
+  cpu::collapse_forward(d, x, carried_data(carried), out);
+}
+
+void collapse_backward(const Config& config, const TensorRef& dout, const TensorRef& x,
+                       const TensorRef& carried, const MutableTensorRef& dx,
+                       const MutableTensorRef& dcarried) {
+  const detail::Dims d = detail::check_collapse_backward("mhc::collapse_backward", config, dout, x,
+                                                         carried, dx, dcarried);
+  cpu::collapse_backward(d, dout, x, carried_data(carried), dx, static_cast<float*>(dcarried.data));
+}
+
+void boundary_forward_carried(const Config& config, const TensorRef& x, const TensorRef& layer_out,
+                              const TensorRef& h_pre, const TensorRef& h_post,
+                              const TensorRef& h_res, const Params& next_params,
+                              const MutableTensorRef& x_next, const PreForwardOutputs& next) {
+  const detail::Dims d =
+      detail::check_boundary_forward_carried("mhc::boundary_forward_carried", config, x, layer_out,
+                                             h_pre, h_post, h_res, next_params, x_next, next);
+  cpu::boundary_forward_carried(config, d, x, layer_out, h_pre, h_post, h_res, next_params, x_next,
+                                next);
+}
+
+void boundary_backward_carried(const Config& config, const TensorRef& next_dlayer_in,
+                               const TensorRef& next_dx_partial, const TensorRef& next_dh_pre,
+                               const TensorRef& next_dh_post, const TensorRef& next_dh_res,
+                               const TensorRef& x, const TensorRef& layer_out,
+                               const TensorRef& h_pre, const TensorRef& h_post,
+                               const TensorRef& h_res, const Params& next_params,
+                               const PostBackwardOutputs& outputs, const MutableTensorRef& dh_pre,
+                               const ParamGrads& next_grads) {
+  const detail::Dims d = detail::check_boundary_backward_carried(
+      "mhc::boundary_backward_carried", config, next_dlayer_in, next_dx_partial, next_dh_pre,
+      next_dh_post, next_dh_res, x, layer_out, h_pre, h_post, h_res, next_params, outputs, dh_pre,
+      next_grads);
+  cpu::boundary_backward_carried(config, d, next_dlayer_in, next_dx_partial, next_dh_pre,
+                                 next_dh_post, next_dh_res, x, layer_out, h_pre, h_post, h_res,
+                                 next_params, outputs, dh_pre, next_grads);
+}
+
+void pre_forward_finish_carried(const Config& config, const TensorRef& x, const TensorRef& partials,
+                                const TensorRef& carried, const TensorRef& alpha,
+                                const TensorRef& bias, const PreForwardOutputs& outputs) {
+  const detail::Dims d = detail::check_pre_forward_finish_carried(
+      "mhc::pre_forward_finish_carried", config, x, partials, carried, alpha, bias, outputs);
+  cpu::pre_forward_finish_carried(config, d, x, static_cast<const float*>(partials.data),
+                                  carried_data(carried), static_cast<const float*>(alpha.data),
+                                  static_cast<const float*>(bias.data), outputs);
+}
+
+void pre_backward_finish_carried(const Config& config, const TensorRef& dlayer_in,
+                                 const TensorRef& dx_partial, const TensorRef& dh_pre,
+                                 const TensorRef& dh_post, const TensorRef& dh_res,
+                                 const TensorRef& x, const TensorRef& partials,
+                                 const TensorRef& carried, const Params& params,
+                                 const MutableTensorRef& dx, const ParamGrads& grads) {
+  const detail::Dims d = detail::check_pre_backward_finish_carried(
+      "mhc::pre_backward_finish_carried", config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x,
+      partials, carried, params, dx, grads);
+  cpu::pre_backward_finish_carried(
+      config, d, dlayer_in, dx_partial, static_cast<const float*>(dh_pre.data), dh_post, dh_res, x,
+      static_cast<const float*>(partials.data), carried_data(carried), params, dx, grads);
+}
+
 void set_num_threads(int threads) { cpu::ThreadPool::instance().set_threads(threads); }
 
 int num_threads() { return cpu::ThreadPool::instance().threads(); }

@@ -76,4 +76,43 @@ void boundary_backward(const Config& config, const detail::Dims& dims,
                        const TensorRef& h_res, const Params& next_params,
                        const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
 
+// DeepSeek-V4.1's carried mix (mhc/ops.h, spec: Single-pass schedule). `carried` [T, n] is the
+// mix the pre-apply reads; null is the one-hot on stream 0 (then dcarried is unused). The pre
+// operations are the pre kernels with a PreApplyMix (pre_forward.cc, pre_backward.cc), the
+// boundary the fused boundary's tile sources with one (boundary.cc); collapse.cc has the collapse.
+void pre_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                         const float* carried, const Params& params,
+                         const PreForwardOutputs& outputs);
+void pre_backward_carried(const Config& config, const detail::Dims& dims,
+                          const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                          const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
+                          const TensorRef& x, const float* carried, const Params& params,
+                          const MutableTensorRef& dx, float* dcarried, const ParamGrads& grads);
+void pre_forward_finish_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                                const float* partials, const float* carried, const float* alpha,
+                                const float* bias, const PreForwardOutputs& outputs);
+void pre_backward_finish_carried(const Config& config, const detail::Dims& dims,
+                                 const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                                 const float* dh_pre, const TensorRef& dh_post,
+                                 const TensorRef& dh_res, const TensorRef& x, const float* partials,
+                                 const float* carried, const Params& params,
+                                 const MutableTensorRef& dx, const ParamGrads& grads);
+void collapse_forward(const detail::Dims& dims, const TensorRef& x, const float* carried,
+                      const MutableTensorRef& out);
+void collapse_backward(const detail::Dims& dims, const TensorRef& dout, const TensorRef& x,
+                       const float* carried, const MutableTensorRef& dx, float* dcarried);
+void boundary_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                              const TensorRef& layer_out, const TensorRef& h_pre,
+                              const TensorRef& h_post, const TensorRef& h_res,
+                              const Params& next_params, const MutableTensorRef& x_next,
+                              const PreForwardOutputs& next);
+void boundary_backward_carried(const Config& config, const detail::Dims& dims,
+                               const TensorRef& next_dlayer_in, const TensorRef& next_dx_partial,
+                               const TensorRef& next_dh_pre, const TensorRef& next_dh_post,
+                               const TensorRef& next_dh_res, const TensorRef& x,
+                               const TensorRef& layer_out, const TensorRef& h_pre,
+                               const TensorRef& h_post, const TensorRef& h_res,
+                               const Params& next_params, const PostBackwardOutputs& outputs,
+                               const MutableTensorRef& dh_pre, const ParamGrads& next_grads);
+
 }  // namespace mhc::cpu

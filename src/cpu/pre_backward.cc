@@ -192,6 +192,15 @@ struct BackwardRun {
       ws.dh_pre[k] = supplied.dh_pre != nullptr ? supplied.dh_pre[token * n + k]
                                                 : dot(xt + k * D, dli + t * D, D);
     }
+    if (supplied.dcarried != nullptr) {  // V4.1: <x_k, dli> is the carried mix's cotangent
+      for (int64_t k = 0; k < n; ++k) {
+        supplied.dcarried[token * n + k] = static_cast<float>(dot(xt + k * D, dli + t * D, D));
+      }
+    }
+    // The second sweep's pre-apply weights: the carried mix replaces the gates just computed.
+    if (supplied.mix.carried) {
+      std::copy_n(supplied.mix.row(token, n, pre), supplied.mix.streams(n), pre);
+    }
     double* sums = s.token_sums + t * (3 + N);
     std::fill_n(sums, 3 + N, 0.0);
     double dr = 0.0;
@@ -222,14 +231,17 @@ struct BackwardRun {
     const int64_t n = dims.n, D = dims.D, M = dims.M, N = dims.N;
     float* dxf = f32_target(dx, s.dx);
     for (int64_t t = 0; t < tokens; ++t) {
-      // The head has no post: dx has only the pre terms.
+      // The head has no post: dx has only the pre terms. A stream the pre-apply does not read
+      // (V4.1's one-hot mix reads stream 0 alone) has no H_pre dli term.
       const X* partial = dims.pre_gates_only ? nullptr : post.dx_partial + (t0 + t) * M;
       for (int64_t k = m_begin / D; k * D < m_end; ++k) {
         const int64_t d0 = std::max(m_begin, k * D) - k * D;
         const int64_t d1 = std::min(m_end, (k + 1) * D) - k * D;
         const int64_t m = k * D + d0;
-        dx_terms(partial != nullptr ? partial + m : nullptr, s.h_pre[t * n + k], dli + t * D + d0,
-                 s.rms_term[t], xf + t * M + m, dxf + t * M + m, d1 - d0);
+        const bool applied = k < supplied.mix.streams(n);
+        dx_terms(partial != nullptr ? partial + m : nullptr, applied ? s.h_pre[t * n + k] : 0.0f,
+                 applied ? dli + t * D + d0 : nullptr, s.rms_term[t], xf + t * M + m,
+                 dxf + t * M + m, d1 - d0);
       }
     }
     add_projection_grad(s.dP, tokens, weight, m_begin, m_end, dxf);
@@ -478,6 +490,31 @@ void pre_backward_finish(const Config& config, const detail::Dims& dims, const T
                          const ParamGrads& grads) {
   run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x, Supplied{partials, dh_pre},
           params, dx, grads);
+}
+
+}  // namespace mhc::cpu
+
+namespace mhc::cpu {
+
+void pre_backward_carried(const Config& config, const detail::Dims& dims,
+                          const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                          const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
+                          const TensorRef& x, const float* carried, const Params& params,
+                          const MutableTensorRef& dx, float* dcarried, const ParamGrads& grads) {
+  // With the one-hot (carried null) there is no dcarried: the <x_k, dli> go nowhere.
+  run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x,
+          Supplied{nullptr, dh_pre, PreApplyMix{true, carried}, carried ? dcarried : nullptr},
+          params, dx, grads);
+}
+
+void pre_backward_finish_carried(const Config& config, const detail::Dims& dims,
+                                 const TensorRef& dlayer_in, const TensorRef& dx_partial,
+                                 const float* dh_pre, const TensorRef& dh_post,
+                                 const TensorRef& dh_res, const TensorRef& x, const float* partials,
+                                 const float* carried, const Params& params,
+                                 const MutableTensorRef& dx, const ParamGrads& grads) {
+  run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x,
+          Supplied{partials, dh_pre, PreApplyMix{true, carried}, nullptr}, params, dx, grads);
 }
 
 }  // namespace mhc::cpu

@@ -80,7 +80,8 @@ struct ForwardWorkspace {
 template <class X>
 void finish_token(const Config& config, const detail::Dims& dims, const float* supplied_partials,
                   const X* x_tile, const float* P_tile, const double* squares, int64_t t0,
-                  int64_t t, TokenCoefficients& coefficients, const PreForwardOut<X>& out) {
+                  int64_t t, TokenCoefficients& coefficients, const PreForwardOut<X>& out,
+                  const PreApplyMix& mix) {
   const int64_t n = dims.n, D = dims.D, M = dims.M, N = dims.N;
   const int64_t token = t0 + t;
   const float* P = P_tile + t * N;
@@ -98,7 +99,8 @@ void finish_token(const Config& config, const detail::Dims& dims, const float* s
   } else {
     coefficients.forward(P, r, pre, out.h_post + token * n, out.h_res + token * n * n);
   }
-  weighted_rows(x_tile + t * M, n, pre, D, out.layer_in + token * D);
+  weighted_rows(x_tile + t * M, mix.streams(n), mix.row(token, n, pre), D,
+                out.layer_in + token * D);
 }
 
 template <class X>
@@ -139,14 +141,15 @@ void run_partials(const detail::Dims& dims, const X* x, const FoldedWeight& weig
 
 void run_any(const Config& config, const detail::Dims& dims, const TensorRef& x,
              const PreWeights& weights, const float* supplied_partials,
-             const PreForwardOutputs& outputs) {
+             const PreForwardOutputs& outputs, const PreApplyMix& mix = {}) {
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
     MemoryTiles<X> source(static_cast<const X*>(x.data), nullptr, dims.M);
     pre_forward_tiles<X>(
         config, dims, weights, supplied_partials, source,
         {static_cast<X*>(outputs.layer_in.data), static_cast<float*>(outputs.h_pre.data),
-         static_cast<float*>(outputs.h_post.data), static_cast<float*>(outputs.h_res.data)});
+         static_cast<float*>(outputs.h_post.data), static_cast<float*>(outputs.h_res.data)},
+        mix);
   });
 }
 
@@ -155,7 +158,7 @@ void run_any(const Config& config, const detail::Dims& dims, const TensorRef& x,
 template <class X>
 void pre_forward_tiles(const Config& config, const detail::Dims& dims, const PreWeights& weights,
                        const float* supplied_partials, TileSource<X>& source,
-                       const PreForwardOut<X>& out) {
+                       const PreForwardOut<X>& out, const PreApplyMix& mix) {
   const int64_t T = dims.T, M = dims.M;
   if (T == 0) return;
   const ForwardPlan plan = plan_forward(dims, supplied_partials == nullptr);
@@ -172,7 +175,7 @@ void pre_forward_tiles(const Config& config, const detail::Dims& dims, const Pre
   }
   auto finish = [&](const X* x_tile, int64_t t0, int64_t t, int slot, int worker) {
     finish_token(config, dims, supplied_partials, x_tile, work.P[slot], work.squares[slot], t0, t,
-                 coefficients[static_cast<size_t>(worker)], out);
+                 coefficients[static_cast<size_t>(worker)], out, mix);
   };
 
   ThreadPool& pool = ThreadPool::instance();
@@ -200,9 +203,10 @@ void pre_forward_tiles(const Config& config, const detail::Dims& dims, const Pre
 
 template void pre_forward_tiles<float>(const Config&, const detail::Dims&, const PreWeights&,
                                        const float*, TileSource<float>&,
-                                       const PreForwardOut<float>&);
+                                       const PreForwardOut<float>&, const PreApplyMix&);
 template void pre_forward_tiles<bf16>(const Config&, const detail::Dims&, const PreWeights&,
-                                      const float*, TileSource<bf16>&, const PreForwardOut<bf16>&);
+                                      const float*, TileSource<bf16>&, const PreForwardOut<bf16>&,
+                                      const PreApplyMix&);
 
 PreWeights pre_weights(const Params& params) {
   return PreWeights{static_cast<const float*>(params.norm_weight.data),
@@ -231,6 +235,23 @@ void pre_forward_finish(const Config& config, const detail::Dims& dims, const Te
                         const float* partials, const float* alpha, const float* bias,
                         const PreForwardOutputs& outputs) {
   run_any(config, dims, x, PreWeights{nullptr, nullptr, alpha, bias}, partials, outputs);
+}
+
+}  // namespace mhc::cpu
+
+namespace mhc::cpu {
+
+void pre_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                         const float* carried, const Params& params,
+                         const PreForwardOutputs& outputs) {
+  run_any(config, dims, x, pre_weights(params), nullptr, outputs, PreApplyMix{true, carried});
+}
+
+void pre_forward_finish_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                                const float* partials, const float* carried, const float* alpha,
+                                const float* bias, const PreForwardOutputs& outputs) {
+  run_any(config, dims, x, PreWeights{nullptr, nullptr, alpha, bias}, partials, outputs,
+          PreApplyMix{true, carried});
 }
 
 }  // namespace mhc::cpu

@@ -31,12 +31,32 @@ struct PreGrads {
 };
 PreGrads pre_grads(const ParamGrads& grads);
 
+// The mix the pre-apply reads. V4: the sublayer's own h_pre (the default). V4.1 (spec:
+// Single-pass schedule): a carried mix [T, n], or for the first sublayer the one-hot on stream 0,
+// applied as stream 0 alone with weight 1 (an exact copy; the other streams never enter).
+inline constexpr float kOneHotWeight = 1.0f;
+struct PreApplyMix {
+  bool carried = false;            // V4.1: the mix below instead of the sublayer's own h_pre
+  const float* weights = nullptr;  // [T, n]; null when carried: the one-hot on stream 0
+  // The streams the pre-apply sums (the first streams(n)) and their weights for `token`.
+  int64_t streams(int64_t n) const { return carried && weights == nullptr ? 1 : n; }
+  const float* row(int64_t token, int64_t n, const float* own_h_pre) const {
+    if (!carried) return own_h_pre;
+    return weights == nullptr ? &kOneHotWeight : weights + token * n;
+  }
+};
+
 // What the split forms supply instead of computing it from this slice of x: the all-reduced
 // partials [T, N+1] (P and the sum of squares) and, for the backward, dh_pre [T, n]. Null in the
-// fused forms.
+// fused forms. With a carried mix (V4.1) dh_pre is always supplied (the cotangent of the
+// sublayer's own h_pre comes from the next sublayer), the pre-apply reads `mix`, and its
+// cotangent <x_k, dlayer_in> goes to dcarried [T, n] (null in the split form, whose caller sums
+// pre_backward_partials instead).
 struct Supplied {
   const float* partials = nullptr;
   const float* dh_pre = nullptr;
+  PreApplyMix mix{};
+  float* dcarried = nullptr;
 };
 
 // The pre forward's outputs: layer_in [T, D], h_pre [T, n], h_post [T, n], h_res [T, n, n]
@@ -52,7 +72,7 @@ struct PreForwardOut {
 template <class X>
 void pre_forward_tiles(const Config& config, const detail::Dims& dims, const PreWeights& weights,
                        const float* supplied_partials, TileSource<X>& source,
-                       const PreForwardOut<X>& out);
+                       const PreForwardOut<X>& out, const PreApplyMix& mix = {});
 
 // The gradients the post operation of the same sublayer adds to the pre backward: dx_partial
 // [T, n, D], dh_post [T, n], dh_res [T, n, n]. Unused (null) for the head, which has no post:

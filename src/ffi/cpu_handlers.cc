@@ -237,6 +237,145 @@ ffi::Error HeadBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyB
   });
 }
 
+// DeepSeek-V4.1's carried mix (mhc/ops.h): carried is f32 [T, n], or [T, 0] for the one-hot on
+// stream 0 (then dcarried is [T, 0] as well).
+ffi::Error PreForwardCarriedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer carried,
+                                 ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+                                 ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+                                 ffi::Result<ffi::AnyBuffer> layer_in,
+                                 ffi::Result<ffi::AnyBuffer> h_pre,
+                                 ffi::Result<ffi::AnyBuffer> h_post,
+                                 ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_forward_carried(
+        make_config(xv, MHC_CONFIG_ARGS), xv, in(carried, "carried"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
+         out(h_res, "h_res")});
+  });
+}
+
+ffi::Error PreBackwardCarriedImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
+    ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
+    ffi::AnyBuffer carried, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
+    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dcarried,
+    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
+    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_backward_carried(
+        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
+        in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
+        in(carried, "carried"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        out(dx, "dx"), out(dcarried, "dcarried"),
+        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+         out(dbias, "dbias")});
+  });
+}
+
+ffi::Error CollapseForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer carried,
+                               ffi::Result<ffi::AnyBuffer> result, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::collapse_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(carried, "carried"),
+                          out(result, "out"));
+  });
+}
+
+ffi::Error CollapseBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer x,
+                                ffi::AnyBuffer carried, ffi::Result<ffi::AnyBuffer> dx,
+                                ffi::Result<ffi::AnyBuffer> dcarried, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::collapse_backward(make_config(xv, MHC_CONFIG_ARGS), in(dout, "dout"), xv,
+                           in(carried, "carried"), out(dx, "dx"), out(dcarried, "dcarried"));
+  });
+}
+
+ffi::Error BoundaryForwardCarriedImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_pre,
+    ffi::AnyBuffer h_post, ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+    ffi::AnyBuffer alpha, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> x_next,
+    ffi::Result<ffi::AnyBuffer> layer_in, ffi::Result<ffi::AnyBuffer> next_h_pre,
+    ffi::Result<ffi::AnyBuffer> next_h_post, ffi::Result<ffi::AnyBuffer> next_h_res,
+    MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::boundary_forward_carried(
+        make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"), in(h_pre, "h_pre"),
+        in(h_post, "h_post"), in(h_res, "h_res"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        out(x_next, "x_next"),
+        {out(layer_in, "layer_in"), out(next_h_pre, "next_h_pre"), out(next_h_post, "next_h_post"),
+         out(next_h_res, "next_h_res")});
+  });
+}
+
+ffi::Error BoundaryBackwardCarriedImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer next_dlayer_in, ffi::AnyBuffer next_dx_partial,
+    ffi::AnyBuffer next_dh_pre, ffi::AnyBuffer next_dh_post, ffi::AnyBuffer next_dh_res,
+    ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_pre, ffi::AnyBuffer h_post,
+    ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
+    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx_partial,
+    ffi::Result<ffi::AnyBuffer> dlayer_out, ffi::Result<ffi::AnyBuffer> dh_post,
+    ffi::Result<ffi::AnyBuffer> dh_res, ffi::Result<ffi::AnyBuffer> dh_pre,
+    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
+    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::boundary_backward_carried(
+        make_config(xv, MHC_CONFIG_ARGS), in(next_dlayer_in, "next_dlayer_in"),
+        in(next_dx_partial, "next_dx_partial"), in(next_dh_pre, "next_dh_pre"),
+        in(next_dh_post, "next_dh_post"), in(next_dh_res, "next_dh_res"), xv,
+        in(layer_out, "layer_out"), in(h_pre, "h_pre"), in(h_post, "h_post"), in(h_res, "h_res"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"), out(dh_post, "dh_post"),
+         out(dh_res, "dh_res")},
+        out(dh_pre, "dh_pre"),
+        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+         out(dbias, "dbias")});
+  });
+}
+
+ffi::Error PreForwardFinishCarriedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
+                                       ffi::AnyBuffer partials, ffi::AnyBuffer carried,
+                                       ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
+                                       ffi::Result<ffi::AnyBuffer> layer_in,
+                                       ffi::Result<ffi::AnyBuffer> h_pre,
+                                       ffi::Result<ffi::AnyBuffer> h_post,
+                                       ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_forward_finish_carried(make_config(xv, MHC_CONFIG_ARGS), xv, in(partials, "partials"),
+                                    in(carried, "carried"), in(alpha, "alpha"), in(bias, "bias"),
+                                    {out(layer_in, "layer_in"), out(h_pre, "h_pre"),
+                                     out(h_post, "h_post"), out(h_res, "h_res")});
+  });
+}
+
+ffi::Error PreBackwardFinishCarriedImpl(
+    ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
+    ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
+    ffi::AnyBuffer partials, ffi::AnyBuffer carried, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
+    ffi::AnyBuffer alpha, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx,
+    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
+    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
+  return guarded_on(pool, [&] {
+    const mhc::TensorRef xv = in(x, "x");
+    mhc::pre_backward_finish_carried(
+        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
+        in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
+        in(partials, "partials"), in(carried, "carried"),
+        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
+        out(dx, "dx"),
+        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+         out(dbias, "dbias")});
+  });
+}
+
 }  // namespace
 
 // x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
@@ -289,6 +428,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardPartials, PreBackwardPartialsImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardFinish, PreBackwardFinishImpl,
                               (handler_binding<11, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
+// DeepSeek-V4.1's carried mix (CPU only), carried f32 [T, n] or [T, 0] for the one-hot:
+// x, carried, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardCarried, PreForwardCarriedImpl,
+                              (handler_binding<6, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, norm_weight, phi, alpha, bias
+//   -> dx, dcarried, dnorm_weight, dphi, dalpha, dbias
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardCarried, PreBackwardCarriedImpl,
+                              (handler_binding<11, 6>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// x, carried -> out
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCollapseForward, CollapseForwardImpl,
+                              (handler_binding<2, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// dout, x, carried -> dx, dcarried
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCollapseBackward, CollapseBackwardImpl,
+                              (handler_binding<3, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// x, layer_out, h_pre, h_post, h_res, norm_weight, phi, alpha, bias
+//   -> x_next, layer_in, next h_pre, next h_post, next h_res
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryForwardCarried, BoundaryForwardCarriedImpl,
+                              (handler_binding<9, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// next dlayer_in, next dx_partial, next dh_pre, next dh_post, next dh_res, x, layer_out, h_pre,
+// h_post, h_res, norm_weight, phi, alpha, bias
+//   -> dx_partial, dlayer_out, dh_post, dh_res, dh_pre, dnorm_weight, dphi, dalpha, dbias
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryBackwardCarried, BoundaryBackwardCarriedImpl,
+                              (handler_binding<14, 9>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// x, partials, carried, alpha, bias -> layer_in, h_pre, h_post, h_res
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardFinishCarried, PreForwardFinishCarriedImpl,
+                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, carried, norm_weight, phi, alpha,
+// bias -> dx, dnorm_weight, dphi, dalpha, dbias
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardFinishCarried, PreBackwardFinishCarriedImpl,
+                              (handler_binding<12, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+
 // The one registration table: target name -> handler. Python registers every entry.
 NB_MODULE(_mhc_cpu, module) {
   module.doc() = "XLA FFI handlers of mhc for the CPU platform";
@@ -326,6 +496,21 @@ NB_MODULE(_mhc_cpu, module) {
         nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardPartials));
     table["mhc_pre_backward_finish"] =
         nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardFinish));
+    table["mhc_pre_forward_carried"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardCarried));
+    table["mhc_pre_backward_carried"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardCarried));
+    table["mhc_collapse_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCollapseForward));
+    table["mhc_collapse_backward"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcCollapseBackward));
+    table["mhc_boundary_forward_carried"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryForwardCarried));
+    table["mhc_boundary_backward_carried"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryBackwardCarried));
+    table["mhc_pre_forward_finish_carried"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardFinishCarried));
+    table["mhc_pre_backward_finish_carried"] =
+        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardFinishCarried));
     return table;
   });
   // The library's thread count and the roofline ceilings, for mhc.bench and users' own timing.

@@ -84,7 +84,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   const int64_t T = data.ConsumeIntegralInRange<int64_t>(0, 40);
   const mhc::DType x_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
   const mhc::DType lo_dtype = data.ConsumeBool() ? mhc::DType::f32 : mhc::DType::bf16;
-  const int op = data.ConsumeIntegralInRange<int>(0, 11);
+  const int op = data.ConsumeIntegralInRange<int>(0, 17);
   config.tensor_parallel = data.ConsumeIntegralInRange<int64_t>(0, 4);
 
   // Shapes as the config implies (R, N computed only when n is in range, as a caller would);
@@ -96,6 +96,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
   const int64_t N = n_ok ? mhc::projection_width(config) : 1;
   const int64_t M = n * D;
   constexpr auto f32 = mhc::DType::f32;
+  // V4.1's carried mix: [T, n], or [T, 0] for the one-hot; its cotangent usually alike.
+  const int64_t carried_n = data.ConsumeBool() ? n : 0;
+  const int64_t dcarried_n =
+      data.ConsumeIntegralInRange<int>(0, 20) == 0 ? n - carried_n : carried_n;
 
   Views v{Arena{}, data};
   try {
@@ -161,6 +165,42 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* bytes, size_t size) {
                            {v.make({n, M}, f32), v.make({n}, f32), v.make({1}, f32)},
                            v.make({T, n, D}, x_dtype),
                            {v.make({n, M}, f32), v.make({n}, f32), v.make({1}, f32)});
+        break;
+      case 12:
+        mhc::pre_forward_carried(config, x, v.make({T, carried_n}, f32), params,
+                                 {v.make({T, D}, x_dtype), v.make({T, n}, f32), v.make({T, n}, f32),
+                                  v.make({T, n, n}, f32)});
+        break;
+      case 13:
+        mhc::pre_backward_carried(
+            config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
+            v.make({T, n}, f32), v.make({T, n, n}, f32), x, v.make({T, carried_n}, f32), params,
+            v.make({T, n, D}, x_dtype), v.make({T, dcarried_n}, f32),
+            {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
+        break;
+      case 14:
+        mhc::collapse_forward(config, x, v.make({T, carried_n}, f32), v.make({T, D}, x_dtype));
+        break;
+      case 15:
+        mhc::collapse_backward(config, v.make({T, D}, x_dtype), x, v.make({T, carried_n}, f32),
+                               v.make({T, n, D}, x_dtype), v.make({T, dcarried_n}, f32));
+        break;
+      case 16:
+        mhc::boundary_forward_carried(config, x, v.make({T, D}, lo_dtype), v.make({T, n}, f32),
+                                      v.make({T, n}, f32), v.make({T, n, n}, f32), params,
+                                      v.make({T, n, D}, x_dtype),
+                                      {v.make({T, D}, x_dtype), v.make({T, n}, f32),
+                                       v.make({T, n}, f32), v.make({T, n, n}, f32)});
+        break;
+      case 17:
+        mhc::boundary_backward_carried(
+            config, v.make({T, D}, x_dtype), v.make({T, n, D}, x_dtype), v.make({T, n}, f32),
+            v.make({T, n}, f32), v.make({T, n, n}, f32), x, v.make({T, D}, lo_dtype),
+            v.make({T, n}, f32), v.make({T, n}, f32), v.make({T, n, n}, f32), params,
+            {v.make({T, n, D}, x_dtype), v.make({T, D}, lo_dtype), v.make({T, n}, f32),
+             v.make({T, n, n}, f32)},
+            v.make({T, n}, f32),
+            {v.make({M}, f32), v.make({M, N}, f32), v.make({3}, f32), v.make({N}, f32)});
         break;
       default:  // 3
         mhc::pre_backward(

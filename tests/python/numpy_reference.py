@@ -110,17 +110,27 @@ def backward(x, layer_out, params, config, dlayer_in, dout, noise=None):
     """The VJP of (layer_in, out) = forward(...) at cotangents (dlayer_in, dout): (dx, dlayer_out,
     dparams) with dparams in the layout of params, all float64 (spec: Backward)."""
     f = _forward(x, layer_out, params, config, noise)
-    nw, phi = (np.asarray(p, np.float64) for p in params[:2])
-    n, d = f["x3"].shape[1:]
-    x3, xf, r, h_res = f["x3"], f["xf"], f["r"], f["h_res"]
+    d = f["x3"].shape[2]
+    x3 = f["x3"]
     g = np.asarray(dout, np.float64).reshape(x3.shape)
     dli = np.asarray(dlayer_in, np.float64).reshape(-1, d)
     # Post, then the pre-apply.
     dlayer_out = np.einsum("tj,tjd->td", f["h_post"], g)
     dh_post = np.einsum("td,tjd->tj", f["lo"], g)
     dh_res = np.einsum("tid,tjd->tij", x3, g)
-    dx3 = np.einsum("tij,tjd->tid", h_res, g) + f["h_pre"][:, :, None] * dli[:, None, :]
+    dx3 = np.einsum("tij,tjd->tid", f["h_res"], g) + f["h_pre"][:, :, None] * dli[:, None, :]
     dh_pre = np.einsum("tkd,td->tk", x3, dli)
+    dxf, dparams = _coefficient_backward(f, params, config, dh_pre, dh_post, dh_res, noise)
+    dxf = dx3.reshape(dxf.shape) + dxf
+    return dxf.reshape(np.shape(x)), dlayer_out.reshape(np.shape(layer_out)), dparams
+
+
+def _coefficient_backward(f, params, config, dh_pre, dh_post, dh_res, noise):
+    """The backward of steps 1-5 from the coefficients' cotangents (f: _forward's intermediates):
+    the gradient wrt x through the coefficients ([T, n*D]) and dparams in the layout of params."""
+    nw, phi = (np.asarray(p, np.float64) for p in params[:2])
+    n = f["x3"].shape[1]
+    x3, xf, r = f["x3"], f["xf"], f["r"]
     # Gates (pre_eps has no gradient).
     da_pre = dh_pre * f["s_pre"] * (1.0 - f["s_pre"])
     da_post = dh_post * config.post_scale * f["s_post"] * (1.0 - f["s_post"])
@@ -147,13 +157,13 @@ def backward(x, layer_out, params, config, dlayer_in, dout, noise=None):
     dphi = (xf * nw).T @ dp
     through_projection = _rounded(dp @ phi.T, noise)  # [T, M]
     dnorm_weight = np.sum(xf * through_projection, axis=0)
-    dxf = dx3.reshape(xf.shape) + through_projection * nw - (dr * r**3)[:, None] * xf / xf.shape[1]
+    dxf = through_projection * nw - (dr * r**3)[:, None] * xf / xf.shape[1]
     dparams = (
         type(params)(dnorm_weight, dphi, dalpha, dbias)
         if hasattr(params, "_fields")
         else (dnorm_weight, dphi, dalpha, dbias)
     )
-    return dxf.reshape(np.shape(x)), dlayer_out.reshape(np.shape(layer_out)), dparams
+    return dxf, dparams
 
 
 def values(x, layer_out, params, config, dlayer_in, dout, noise=None):
@@ -162,6 +172,64 @@ def values(x, layer_out, params, config, dlayer_in, dout, noise=None):
     layer_in, out = forward(x, layer_out, params, config, noise)
     dx, dlo, dparams = backward(x, layer_out, params, config, dlayer_in, dout, noise)
     return dict(zip(NAMES, (layer_in, out, dx, dlo, *dparams), strict=True))
+
+
+# DeepSeek-V4.1's sublayer (spec: Single-pass schedule), the tensors in the order
+# carried_values returns them.
+CARRIED_NAMES = (
+    "layer_in",
+    "h_pre",
+    "out",
+    "dx",
+    "dcarried",
+    "dlayer_out",
+    "dnorm_weight",
+    "dphi",
+    "dalpha",
+    "dbias",
+)
+
+
+def carried_values(x, layer_out, params, config, carried, dlayer_in, dh_pre, dout, noise=None):
+    """V4.1's sublayer in float64: layer_in = sum_k carried[k] x[k] (carried None: the one-hot on
+    stream 0), this sublayer's own h_pre (to carry), out as in V4; then the VJP at cotangents
+    (dlayer_in, dh_pre, dout) wrt x, carried, layer_out and the parameters. dh_pre enters the gate
+    backward as given; dcarried = sum_d x[k, d] dlayer_in[d]. One dict by CARRIED_NAMES (dcarried
+    None for the one-hot). `noise`: see _forward."""
+    f = _forward(x, layer_out, params, config, noise)
+    n, d = f["x3"].shape[1:]
+    x3 = f["x3"]
+    p = np.eye(n)[np.zeros(len(x3), int)] if carried is None else np.asarray(carried, np.float64).reshape(-1, n)
+    layer_in = np.einsum("tk,tkd->td", p, x3)
+    g = np.asarray(dout, np.float64).reshape(x3.shape)
+    dli = np.asarray(dlayer_in, np.float64).reshape(-1, d)
+    dlayer_out = np.einsum("tj,tjd->td", f["h_post"], g)
+    dh_post = np.einsum("td,tjd->tj", f["lo"], g)
+    dh_res = np.einsum("tid,tjd->tij", x3, g)
+    dx3 = np.einsum("tij,tjd->tid", f["h_res"], g) + p[:, :, None] * dli[:, None, :]
+    dcarried = np.einsum("tkd,td->tk", x3, dli)
+    given = np.asarray(dh_pre, np.float64).reshape(-1, n)
+    dxf, dparams = _coefficient_backward(f, params, config, given, dh_post, dh_res, noise)
+    lead = np.shape(x)[:-2]
+    results = (
+        layer_in.reshape(*lead, d),
+        f["h_pre"].reshape(*lead, n),
+        f["out"].reshape(np.shape(x)),
+        (dx3.reshape(dxf.shape) + dxf).reshape(np.shape(x)),
+        None if carried is None else dcarried.reshape(*lead, n),
+        dlayer_out.reshape(np.shape(layer_out)),
+        *dparams,
+    )
+    return dict(zip(CARRIED_NAMES, results, strict=True))
+
+
+def collapse_values(x, carried, dout):
+    """V4.1's collapse h = sum_k carried[k] x[k] and its VJP at dout: (h, dx, dcarried), float64."""
+    x = np.asarray(x, np.float64)
+    carried = np.asarray(carried, np.float64)
+    g = np.asarray(dout, np.float64)
+    out = np.einsum("...k,...kd->...d", carried, x)
+    return out, carried[..., :, None] * g[..., None, :], np.einsum("...kd,...d->...k", x, g)
 
 
 def head_values(x, head, config, dout, noise=None):

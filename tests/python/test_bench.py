@@ -3,6 +3,7 @@ like with like), the table and the JSON carry every column, byte counts follow t
 flags are rejected."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -63,6 +64,15 @@ def test_byte_and_flop_counts_follow_the_spec():
     head_fn = 4 * 4 * (4 * 8)
     assert bench.minimum_bytes("head_fwd", s) == (4 + 1) * 8 * 2 * 3 + head_fn
     assert bench.minimum_bytes("head_fwd_bwd", s) == (5 + 9) * 8 * 2 * 3 + 3 * head_fn
+    # DeepSeek-V4.1: the pre and the boundary move V4's bytes; the pre differentiated alone has no
+    # dx_partial to read ((2n+1)De backward); the collapse (n+1)De forward, (2n+1)De backward.
+    assert bench.minimum_bytes("v41_pre_fwd", s) == bench.minimum_bytes("pre_forward", s)
+    assert bench.minimum_bytes("v41_pre_fwd_bwd", s) == (5 + 9) * 8 * 2 * 3 + 3 * phi
+    assert bench.minimum_bytes("v41_boundary_fwd", s) == bench.minimum_bytes("boundary_fwd", s)
+    assert bench.minimum_bytes("v41_boundary_fwd_bwd", s, separate=True) == (5 + 9 + 14 + 13) * 8 * 2 * 3 + 4 * phi
+    assert bench.minimum_bytes("v41_boundary_fwd_bwd", s) == (10 + 15) * 8 * 2 * 3 + 4 * phi
+    assert bench.minimum_bytes("collapse_fwd", s) == (4 + 1) * 8 * 2 * 3
+    assert bench.minimum_bytes("collapse_fwd_bwd", s) == (5 + 9) * 8 * 2 * 3
     assert bench.projection_width(4, "sinkhorn") == 24 and bench.projection_width(4, "permutations") == 32
     assert bench.flop_count("pre_forward", s) == (2 * 4 * 8 * 24 + 2 * 4 * 8) * 3
 
@@ -104,13 +114,18 @@ def result_allocator(path):
 
 def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys, tune_calls):
     path = tmp_path / "bench.json"
+    # The decode table's V4.1 rows: V4's and V4.1's boundaries (set against each
+    # other), the collapse; test_kernel_and_plain_functions_agree compiles every operation.
+    ops = ["boundary_fwd", "v41_boundary_fwd", "collapse_fwd"]
     argv = ["--table", "decode", "--decode-tokens", "2", "--decode-dims", "8", "--dtypes", "f32"]
-    argv += ["--allocator", "default"]
+    argv += ["--allocator", "default", "--ops", *ops, "head_fwd"]  # head_fwd: not a decode op
     assert bench.main(argv + ["--json", str(path)]) == 0
     table = capsys.readouterr().out
     assert "Decode" in table and "kernel us" in table and "floor us" in table
+    assert re.search(r"T=2 n=4 D=8 f32 +v41_boundary_fwd +boundary_fwd ", table)  # V4.1 against V4
     rows = json.loads(path.read_text())["decode"]["rows"]
-    assert {(r["tokens"], r["op"]) for r in rows} == {(2, op) for op in bench.OPS[:4]}
+    assert [(r["tokens"], r["op"]) for r in rows] == [(2, op) for op in ops]
+    assert set(ops) <= set(bench.DECODE_OPS) and "head_fwd" not in bench.DECODE_OPS
     assert all(r["kernel_ms"] > 0 and r["minimum_bytes"] > 0 for r in rows)
     # One setting only: the allocator left alone, no tuned columns.
     assert not tune_calls and "tuned" not in table and all("kernel_tuned_ms" not in r for r in rows)

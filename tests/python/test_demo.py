@@ -66,9 +66,9 @@ def _train_losses(config: ModelConfig, seed: int, steps: int):
     return losses, model.residual_mixes(jnp.asarray(data[0, :, :-1]))
 
 
-@pytest.mark.parametrize("residual", ["mhc", "mhc-lite"])
+@pytest.mark.parametrize("residual", ["mhc", "mhc-lite", "mhc-v4.1"])
 def test_kernel_and_reference_training_agree(residual, seed):
-    # The mHC sublayers (fused boundaries) and the head on the kernels vs the plain-JAX path; only
+    # The mHC sublayers (fused boundaries) and the head (V4.1: the collapse) on the kernels vs the plain-JAX path; only
     # the training step is compiled (no evaluation, no sampling), so this costs two compilations.
     config = dict(width=32, layers=1, heads=2, residual=residual)
     kernel, kernel_mixes = _train_losses(ModelConfig(**config, use_kernel=True), seed, steps=12)
@@ -92,7 +92,7 @@ def test_compare_trains_every_residual_from_one_seed(tmp_path, monkeypatch, caps
     assert {run["spec"]["seed"] for run in runs.values()} == {seed % 1000}
     assert all(len(run["losses"]) == 4 and np.all(np.isfinite(run["losses"])) for run in runs.values())
     assert not runs["plain"]["amax_forward"]
-    for name in ("mhc", "mhc-lite"):
+    for name in ("mhc", "mhc-lite", "mhc-v4.1"):
         assert np.allclose(runs[name]["amax_forward"], 1.0, atol=1e-3), runs[name]["amax_forward"]
     # Trained, the unconstrained mixes no longer keep the streams' sum.
     assert len(runs["hc"]["amax_forward"]) == 2 and abs(runs["hc"]["amax_forward"][-1] - 1.0) > 1e-3
@@ -143,7 +143,13 @@ def test_recompute_reaches_the_mhc_runs_and_sets_the_cpu_scheduler(tmp_path, mon
     monkeypatch.setattr(demo, "_train_in_subprocess", lambda spec: specs.append(spec) or _fake_result(spec))
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     assert demo.main(["--compare", "--recompute", "3", "--out", str(tmp_path), "--no-progress"]) == 0
-    assert [(s.name, s.recompute) for s in specs] == [("plain", None), ("hc", None), ("mhc-k3", 3), ("mhc-lite-k3", 3)]
+    assert [(s.name, s.recompute) for s in specs] == [
+        ("plain", None),
+        ("hc", None),
+        ("mhc-k3", 3),
+        ("mhc-lite-k3", 3),
+        ("mhc-v4.1-k3", 3),
+    ]
     assert demo.os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=1 {flag}"
     # auto: the paper's group size for the run's sublayers (4 blocks: 8 sublayers, sqrt(4 * 8 / 6) = 2.3)
     specs.clear()
@@ -156,6 +162,31 @@ def test_recompute_reaches_the_mhc_runs_and_sets_the_cpu_scheduler(tmp_path, mon
             demo.main(bad)
     with pytest.raises(SystemExit):
         demo.main(["--no-use-kernel", "--recompute", "2"])
+
+
+def test_v41_runs_take_their_own_collapse(tmp_path, monkeypatch):
+    """--residual mhc-v4.1 ends with its carried collapse: --collapse is refused for it alone, and in
+    --compare it applies to the V4 kinds while the V4.1 run keeps its own."""
+    specs = []
+    monkeypatch.setattr(demo, "_train_in_subprocess", lambda spec: specs.append(spec) or _fake_result(spec))
+    assert demo.main(["--compare", "--collapse", "sum", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert [(s.residual, s.collapse) for s in specs] == [
+        ("plain", "sum"),
+        ("hc", "sum"),
+        ("mhc", "sum"),
+        ("mhc-lite", "sum"),
+        ("mhc-v4.1", None),
+    ]
+    specs.clear()
+    assert demo.main(["--compare-paths", "--residual", "mhc-v4.1", "--out", str(tmp_path), "--no-progress"]) == 0
+    assert [(s.name, s.residual, s.collapse) for s in specs] == [
+        ("kernel", "mhc-v4.1", None),
+        ("kernel-unfused", "mhc-v4.1", None),
+        ("plain-jax", "mhc-v4.1", None),
+    ]
+    for collapse in ("head", "sum"):
+        with pytest.raises(SystemExit):
+            demo.main(["--residual", "mhc-v4.1", "--collapse", collapse])
 
 
 def test_bad_arguments_exit_with_a_message():

@@ -2,6 +2,7 @@
 safetensors loader, and a forward through converted weights against NumPy transcriptions of
 DeepSeek-V4's and MaxText's own code."""
 
+import dataclasses
 import itertools
 import json
 import math
@@ -242,6 +243,119 @@ def test_forward_matches_deepseek_v4(seed, n, hc_eps):
     assert n == 1 or np.std(comb) > 0.01, "h_res too close to constant to test anything"
 
 
+# DeepSeek-V4.1 (spec: Single-pass schedule): the same per-layer tensors, no head, and a
+# pre-apply by the previous sublayer's gates. Needs mhc.jax's V4.1 API (Config.pre_from_previous).
+HAS_V41 = "pre_from_previous" in {field.name for field in dataclasses.fields(mj.Config)}
+needs_v41 = pytest.mark.skipif(not HAS_V41, reason="mhc.jax.Config has no pre_from_previous yet (V4.1 API)")
+V41_CONFIG = {
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "norm_eps": 1e-6,
+    "hc_pre_from_prev_sublayer": True,
+}
+
+
+@needs_v41
+def test_config_from_v41():
+    config = interop.config_from_v4(V41_CONFIG)
+    assert config == mj.Config(
+        n=4, sinkhorn_iters=20, sinkhorn_eps=1e-6, rms_eps=1e-20, pre_eps=1e-6, post_scale=2.0, pre_from_previous=True
+    )
+    # Hugging Face keys: the same switch; its rms_norm_eps is the model's RMSNorms', not mHC's.
+    hf = {"hc_mult": 4, "rms_norm_eps": 1e-6, "hc_eps": 1e-3, "hc_pre_from_prev_sublayer": True}
+    assert interop.config_from_v4(hf) == mj.Config(
+        n=4, sinkhorn_eps=1e-3, rms_eps=1e-20, pre_eps=1e-3, pre_from_previous=True
+    )
+    assert not interop.config_from_v4({**V41_CONFIG, "hc_pre_from_prev_sublayer": False}).pre_from_previous
+    assert interop.config_from_v4({**V41_CONFIG, "hc_pre_from_prev_sublayer": False}).rms_eps == 1e-6
+    with pytest.raises(TypeError, match=r"model_config\['hc_pre_from_prev_sublayer'\]: expected true or false"):
+        interop.config_from_v4({**V41_CONFIG, "hc_pre_from_prev_sublayer": "yes"})
+
+
+@needs_v41
+@pytest.mark.parametrize("naming", interop.NAMINGS)
+def test_v41_round_trips_are_exact(seed, naming):
+    """V4.1's tensors (fn F32 [24, 20480] at D = 5120; D = 5 here) convert both ways bit for bit."""
+    rng = np.random.default_rng(seed)
+    config = interop.config_from_v4(V41_CONFIG)
+    for layer, sublayer in ((0, "attn"), (42, "ffn")):
+        tensors = random_v4_tensors(rng, config, D, layer, sublayer, naming)
+        params = interop.params_from_v4(tensors, config, layer=layer, sublayer=sublayer, naming=naming)
+        assert_same_tree(interop.params_to_v4(params, config, layer=layer, sublayer=sublayer, naming=naming), tensors)
+        unit = random_params(rng, config, D, unit_norm=True)
+        exported = interop.params_to_v4(unit, config, layer=layer, sublayer=sublayer, naming=naming)
+        assert_same_params(
+            interop.params_from_v4(exported, config, layer=layer, sublayer=sublayer, naming=naming), unit
+        )
+
+
+def v41_forward(x, sublayers, branches, *, rms_eps, hc_eps, sinkhorn_iters):
+    """DeepSeek-V4.1's forward over a few sublayers, float64, transcribed from the spec's
+    "Single-pass schedule": every sublayer s takes H_pre_s, H_post_s, H_res_s from its own x_s
+    (V4's hc_pre projection and hc_split_sinkhorn above), reads layer_in_s = sum_k p_s[k] x_s[k]
+    with the carried p_s = H_pre_{s-1} (p_0 = the one-hot on stream 0), merges as V4's hc_post,
+    and the model ends with h = sum_k p_last[k] x_final[k]. sublayers: (fn, scale, base) each.
+    Returns (the layer_in of every sublayer, h, the pre gates of every sublayer)."""
+    n = x.shape[-2]
+    carried = np.broadcast_to(np.eye(n)[0], x.shape[:-1])
+    layer_ins, gates = [], []
+    for (fn, scale, base), branch in zip(sublayers, branches, strict=True):
+        flat = x.reshape(*x.shape[:-2], -1)
+        rsqrt = 1.0 / np.sqrt(np.mean(flat * flat, axis=-1, keepdims=True) + rms_eps)
+        pre, post, comb = v4_hc_split_sinkhorn((flat @ fn.T) * rsqrt, scale, base, n, sinkhorn_iters, hc_eps)
+        layer_in = np.sum(carried[..., None] * x, axis=-2)
+        layer_ins.append(layer_in)
+        x = v4_hc_post(branch(layer_in), x, post, comb)
+        carried = pre
+        gates.append(pre)
+    return layer_ins, np.sum(carried[..., None] * x, axis=-2), gates
+
+
+@needs_v41
+@pytest.mark.parametrize("hc_eps", (1e-6, 1e-3))
+def test_forward_matches_deepseek_v41(seed, hc_eps):
+    """Three sublayers (layer 0's attn and ffn, layer 1's attn) of V4.1 loaded by interop, through
+    mhc.jax's plain path (pre with the carried mix, post, the final collapse; and the same as one
+    stack), against the float64 transcription. Each branch is a random tanh(h W)."""
+    rng = np.random.default_rng(seed)
+    config = interop.config_from_v4({**V41_CONFIG, "hc_eps": hc_eps})
+    n = config.n
+    where = ((0, "attn"), (0, "ffn"), (1, "attn"))
+    tensors = {}
+    for layer, sublayer in where:
+        tensors.update(random_v4_tensors(rng, config, D, layer, sublayer))
+    params = [interop.params_from_v4(tensors, config, layer=layer, sublayer=sub) for layer, sub in where]
+    weights = [(rng.standard_normal((D, D)) / math.sqrt(D)).astype(np.float32) for _ in where]
+    # Streams of order 1e-3 (mean square 1e-6) make the RMS eps visible: V4.1's 1e-20, not norm_eps.
+    x = (1e-3 * rng.standard_normal((2, 3, n, D))).astype(np.float32)
+
+    names = [interop.v4_sublayer_names(layer, sub) for layer, sub in where]
+    stored = [tuple(tensors[names[s][part]].astype(np.float64) for part in ("fn", "scale", "base")) for s in range(3)]
+    want_layer_ins, want_h, gates = v41_forward(
+        x.astype(np.float64),
+        stored,
+        [lambda h, w=w: np.tanh(h @ w.astype(np.float64)) for w in weights],
+        rms_eps=1e-20,
+        hc_eps=hc_eps,
+        sinkhorn_iters=20,
+    )
+
+    branches = [lambda h, w=w: jnp.tanh(h @ w) for w in weights]
+    streams, carried = jnp.asarray(x), None
+    for s in range(3):
+        layer_in, ctx = mj.pre(streams, params[s], config, carried=carried, use_kernel=False)
+        error = relative_error(layer_in, want_layer_ins[s])
+        assert error <= 1e-5, f"sublayer {s} layer_in: relative error {error:.3g} vs the V4.1 transcription"
+        streams, carried = mj.post(branches[s](layer_in), ctx), ctx.h_pre
+    h = jnp.einsum("...k,...kd->...d", carried, streams)
+    assert relative_error(h, want_h) <= 1e-5, "the collapse by the last pre gates"
+
+    chain = mj.stack(jnp.asarray(x), list(zip(params, [config] * 3, branches, strict=True)), use_kernel=False)
+    assert relative_error(mj.collapse(chain), want_h) <= 1e-5, "mhc.jax.stack then mhc.jax.collapse"
+    assert min(np.std(g) for g in gates) > 0.05, "pre gates too close to constant to test anything"
+
+
 def maxtext_mhc(x, layer_out, tree, k, lite, norm_eps):
     """MaxText layers/mhc.py ManifoldConstrainedHyperConnections.__call__ (non-kernel path), float64;
     x [t, k, d]. Returns (layer_input, output)."""
@@ -475,6 +589,39 @@ def test_load_errors(seed, tmp_path):
         interop.load_v4(file, config, layers=[0, "1"])
     with pytest.raises(ValueError, match="naming"):
         interop.load_v4(file, config, naming="torch")
+
+
+@needs_v41
+def test_load_v41_checkpoint_without_head(seed, tmp_path):
+    """A V4.1 checkpoint (no hc_head_*, either naming): loaded without asking for a head; asking
+    for one is an error, and a V4 config still demands it."""
+    safetensors_flax = pytest.importorskip("safetensors.flax")
+    rng = np.random.default_rng(seed)
+    config = interop.config_from_v4(V41_CONFIG)
+    for naming in interop.NAMINGS:
+        stored = {
+            name: value
+            for name, value in v4_checkpoint_tensors(
+                rng, config, naming, (jnp.float32, jnp.bfloat16, jnp.float32)
+            ).items()
+            if "hc_head" not in name
+        }
+        file = tmp_path / f"{naming}.safetensors"
+        safetensors_flax.save_file(stored, str(file))
+        weights = interop.load_v4(file, config)
+        assert weights.layers == (0, 1) and weights.head is None
+        attn, ffn, _ = expected_weights(
+            {**stored, **random_v4_head(rng, config, D, naming)}, config, naming
+        )  # expected_weights reads a head too; the one it reads is not compared
+        for got, want in zip(weights.attn + weights.ffn, attn + ffn, strict=True):
+            assert_same_params(got, want)
+        assert interop.load_v4(file, config, head=False).head is None
+        with pytest.raises(ValueError, match=r"head: DeepSeek-V4\.1 .*has no head tensors"):
+            interop.load_v4(file, config, head=True)
+        with pytest.raises(KeyError, match="hc_head"):
+            interop.load_v4(file, mj.Config(n=4))  # a V4 config reads the head, which is not there
+    with pytest.raises(TypeError, match="head: expected True, False or None"):
+        interop.load_v4(file, config, head="no")
 
 
 def test_load_without_safetensors_says_what_to_install(tmp_path, monkeypatch):

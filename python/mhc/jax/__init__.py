@@ -13,6 +13,18 @@ the backward instead of keeping them (``recompute=k``; ``suggested_recompute`` p
     state = mhc.jax.stack(x, [(params, config, branch), ...], recompute=k)
     x = mhc.jax.finish(state)
 
+DeepSeek-V4.1's single-pass schedule (``Config(n, pre_from_previous=True)``; spec: Single-pass
+schedule): each pre-apply reads the previous sublayer's pre gates, the carried mix (the first
+sublayer: the one-hot on stream 0), and the model ends with ``collapse`` instead of a head:
+
+    state = mhc.jax.stack(x, [(params, config, branch), ...])   # V4.1 configs
+    h = mhc.jax.collapse(state)                            # [..., D]: sum_k carried[k] x[k]
+
+A seam where the streams change between a post and the next pre (V4.1's Engram):
+
+    s = mhc.jax.streams(state)                             # Streams(x, carried), the post applied
+    state = mhc.jax.Streams(s.x + update, s.carried)       # the next sublayer takes it
+
 One sublayer on its own:
 
     layer_in, ctx = mhc.jax.pre(x, params, config)
@@ -44,7 +56,10 @@ from mhc.jax._types import (
     HeadParams,
     Params,
     Pending,
+    Streams,
     check_activation,
+    check_carried,
+    check_collapse_args,
     check_head_args,
     check_post_args,
     check_pre_args,
@@ -64,8 +79,11 @@ __all__ = [
     "post",
     "boundary",
     "Pending",
+    "Streams",
     "sublayer",
     "finish",
+    "streams",
+    "collapse",
     "stack",
     "recompute_streams",
     "recompute_policy",
@@ -127,11 +145,26 @@ def _global_x(x, rows, what: str, tensor_axis, slices: int):
     return jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] * slices), x.dtype) if slices > 1 else x
 
 
-def pre(x: jax.Array, params: Params, config: Config, *, use_kernel: bool = True, tensor_axis: str | None = None):
+def pre(
+    x: jax.Array,
+    params: Params,
+    config: Config,
+    *,
+    carried: jax.Array | None = None,
+    use_kernel: bool = True,
+    tensor_axis: str | None = None,
+):
     """The sublayer's input and the context for ``post`` (spec: Forward steps 1-6).
 
     x: [..., n, D] in float32 or bfloat16; params: f32 ``Params``. Returns layer_in [..., D] in
     x's dtype and a ``Context`` (x, h_post, h_res) to pass to ``post``.
+
+    carried: only with ``config.pre_from_previous`` (DeepSeek-V4.1; spec: Single-pass schedule):
+    the mix [..., n] f32 that the pre-apply reads, layer_in = sum_k carried[k] x[k]: the previous
+    sublayer's ``ctx.h_pre``; None is the one-hot on stream 0 (the first sublayer). The context
+    then holds this sublayer's own gates as ``ctx.h_pre``, for the next sublayer or ``collapse``;
+    gradients flow back through both (the cotangent of ``ctx.h_pre`` enters this sublayer's gate
+    backward, and the carried mix gets sum_d x[k, d] dlayer_in[d]).
 
     tensor_axis: only inside ``jax.shard_map`` with D split over a mesh axis: that axis's name.
     x is then this device's [..., n, D / size] slice and params the whole, replicated parameters
@@ -142,14 +175,21 @@ def pre(x: jax.Array, params: Params, config: Config, *, use_kernel: bool = True
     """
     slices = _tensor_slices(tensor_axis, use_kernel)
     if not use_kernel:
-        return reference.pre(x, params, config)
+        return reference.pre(x, params, config, carried)
     check_activation("x", x)
     check_pre_args(
         _global_x(x, _rows(params, "norm_weight", 0), "params.norm_weight", tensor_axis, slices), params, config
     )
-    x, params = _kernels.on_common_manual_axes(x, params)
-    layer_in, x_ctx, h_post, h_res = _kernels.pre(config, tensor_axis, x, params)
-    return layer_in, Context(x_ctx, h_post, h_res, config, True, tensor_axis)
+    check_carried(carried, x, config)
+    if not config.pre_from_previous:
+        x, params = _kernels.on_common_manual_axes(x, params)
+        layer_in, x_ctx, h_post, h_res = _kernels.pre(config, tensor_axis, x, params)
+        return layer_in, Context(x_ctx, h_post, h_res, config, True, tensor_axis)
+    if carried is None:  # the kernels' one-hot on stream 0: a mix with no columns
+        carried = jnp.zeros((*x.shape[:-2], 0), jnp.float32)
+    x, carried, params = _kernels.on_common_manual_axes(x, carried, params)
+    layer_in, x_ctx, h_pre, h_post, h_res = _kernels.pre_carried(config, tensor_axis, x, carried, params)
+    return layer_in, Context(x_ctx, h_post, h_res, config, True, tensor_axis, h_pre=h_pre)
 
 
 def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
@@ -189,6 +229,9 @@ def boundary(
     raises either way; ``use_kernel=False`` runs the plain formulas anywhere.
     ``config`` is the next sublayer's (same n as ``ctx.config``). ``tensor_axis``: as for ``pre``,
     and the same as the one ``ctx`` was made with (the streams keep their layout).
+
+    V4.1 (``pre_from_previous`` in both configs): the next pre reads ``ctx.h_pre`` as its carried
+    mix, and the fused kernels are V4.1's boundary (spec: Single-pass schedule).
     """
     _check_fallback(fallback)
     check_post_args(layer_out, ctx)
@@ -196,13 +239,23 @@ def boundary(
         raise ValueError(
             f"tensor_axis: expected the tensor_axis of the pre that made ctx ({ctx.tensor_axis!r}), got {tensor_axis!r}"
         )
+    if isinstance(config, Config) and config.pre_from_previous != ctx.config.pre_from_previous:
+        raise ValueError(
+            f"config: the next sublayer's pre_from_previous ({config.pre_from_previous}) must equal "
+            f"ctx.config.pre_from_previous ({ctx.config.pre_from_previous}): a chain runs one schedule, V4 or V4.1"
+        )
     if not (use_kernel and ctx.use_kernel):
-        return pre(post(layer_out, ctx), params, config, use_kernel=use_kernel, tensor_axis=tensor_axis)
+        options = dict(carried=ctx.h_pre, use_kernel=use_kernel, tensor_axis=tensor_axis)
+        return pre(post(layer_out, ctx), params, config, **options)
     if config.n != ctx.config.n:
         raise ValueError(f"config: the next sublayer's n ({config.n}) must equal ctx.config.n ({ctx.config.n})")
     slices = _tensor_slices(tensor_axis, use_kernel)
     rows = _rows(params, "norm_weight", 0)
     check_pre_args(_global_x(ctx.x, rows, "params.norm_weight", tensor_axis, slices), params, config)
+    if config.pre_from_previous:
+        operands = _kernels.on_common_manual_axes(ctx.x, layer_out, ctx.h_pre, ctx.h_post, ctx.h_res, params)
+        layer_in, x_next, h_pre, h_post, h_res = _kernels.boundary_carried(config, fallback, tensor_axis, *operands)
+        return layer_in, Context(x_next, h_post, h_res, config, True, tensor_axis, h_pre=h_pre)
     x, layer_out, h_post, h_res, params = _kernels.on_common_manual_axes(
         ctx.x, layer_out, ctx.h_post, ctx.h_res, params
     )
@@ -229,8 +282,10 @@ def sublayer(
     """One mHC-wrapped sublayer of a stack, its post left pending so that the next sublayer's
     pre fuses with it (``boundary``).
 
-    state: the streams [..., n, D] (the first sublayer) or the ``Pending`` the previous sublayer
-    returned; branch: layer_in [..., D] -> layer_out [..., D] (e.g. norm then attention).
+    state: the streams [..., n, D] (the first sublayer; in V4.1 it reads the one-hot on stream 0),
+    the ``Pending`` the previous sublayer returned, or ``Streams`` (x and, in V4.1, the carried
+    mix: the streams changed between a post and this pre, ``streams``); branch: layer_in [..., D]
+    -> layer_out [..., D] (e.g. norm then attention).
     Returns a ``Pending``: pass it to the next ``sublayer``, or to ``finish`` for the streams.
     Works under jit, grad, checkpoint and scan (``Pending`` is a pytree). ``fallback``: as for
     ``boundary``; ``tensor_axis``: as for ``pre`` (the same for every sublayer of the chain).
@@ -239,6 +294,8 @@ def sublayer(
     options = dict(use_kernel=use_kernel, tensor_axis=tensor_axis)
     if isinstance(state, Pending):
         layer_in, ctx = boundary(state.layer_out, state.ctx, params, config, fallback=fallback, **options)
+    elif isinstance(state, Streams):
+        layer_in, ctx = pre(state.x, params, config, carried=state.carried, **options)
     else:
         layer_in, ctx = pre(state, params, config, **options)
     return Pending(branch(layer_in), ctx)
@@ -248,7 +305,63 @@ def finish(state) -> jax.Array:
     """The streams [..., n, D] of a chain: the pending post applied (an array passes through)."""
     if isinstance(state, Pending):
         return post(state.layer_out, state.ctx)
+    if isinstance(state, Streams):
+        return state.x
     return state
+
+
+def streams(state) -> Streams:
+    """A chain's state as ``Streams(x, carried)``: the pending post applied, and in V4.1 the mix the
+    next sublayer's pre reads (the last sublayer's ``ctx.h_pre``; None in V4, and for plain
+    streams, whose next pre reads the one-hot). The seam where the caller may change the
+    streams: ``sublayer(Streams(x + update, carried), ...)`` runs the post, the update and the
+    pre separately where ``sublayer`` on the Pending would fuse them (spec: Single-pass schedule)."""
+    if isinstance(state, Pending):
+        return Streams(post(state.layer_out, state.ctx), state.ctx.h_pre)
+    if isinstance(state, Streams):
+        return state
+    check_activation("state", state)
+    return Streams(state, None)
+
+
+def collapse(state, *, use_kernel: bool = True, tensor_axis: str | None = None) -> jax.Array:
+    """DeepSeek-V4.1's end of the model: h [..., D] = sum_k carried[k] x[k] (x's dtype), the
+    streams after the last post collapsed by that sublayer's pre gates (spec: Single-pass
+    schedule); no parameters. Then the model's final norm, as after V4's ``head``.
+
+    state: the ``Pending`` of a V4.1 chain (``Config.pre_from_previous``), whose pending post is
+    applied first, or ``Streams`` with a carried mix. Kernel path where ``use_kernel`` and (for a
+    Pending) the chain's path are; ``tensor_axis``: as for ``pre`` (for a Pending, the chain's)."""
+    if isinstance(state, Pending):
+        ctx = state.ctx
+        if ctx.h_pre is None:
+            raise ValueError(
+                "state: collapse is DeepSeek-V4.1's end and needs a chain of Config(..., pre_from_previous=True); "
+                "a V4 chain ends with finish (then head or reduce)"
+            )
+        if tensor_axis != ctx.tensor_axis:
+            raise ValueError(
+                f"tensor_axis: expected the chain's tensor_axis ({ctx.tensor_axis!r}), got {tensor_axis!r}"
+            )
+        x, carried, config = post(state.layer_out, ctx), ctx.h_pre, ctx.config
+        use_kernel = use_kernel and ctx.use_kernel
+    elif isinstance(state, Streams):
+        if state.carried is None:
+            raise ValueError(
+                "state: Streams without a carried mix (carried=None); collapse needs the last sublayer's h_pre, "
+                "as mhc.jax.streams returns it for a V4.1 chain"
+            )
+        x, carried = state
+        check_collapse_args(x, carried)
+        config = Config(n=x.shape[-2], pre_from_previous=True)
+    else:
+        raise TypeError(f"state: expected the Pending of a V4.1 chain or mhc.jax.Streams, got {type(state).__name__}")
+    _tensor_slices(tensor_axis, use_kernel)
+    if not use_kernel:
+        return reference.collapse(x, carried)
+    check_collapse_args(x, carried)
+    x, carried = _kernels.on_common_manual_axes(x, carried)
+    return _kernels.collapse(config, tensor_axis, x, carried)
 
 
 def _runs_a_kernel(primitive, params) -> bool:

@@ -241,6 +241,72 @@ def pre_backward_finish(
     return _call("mhc_pre_backward_finish", config, types, *args, slices=slices)
 
 
+# DeepSeek-V4.1's operations (spec: Single-pass schedule). ``carried``: the carried mix f32 [T, n],
+# or [T, 0] for the one-hot on stream 0 (the first sublayer), whose dcarried is [T, 0] too.
+
+
+def pre_forward_carried(config: Config, x, carried, params: Params):
+    t, n, d = x.shape
+    types = (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
+    return _call("mhc_pre_forward_carried", config, types, x, carried, *params)
+
+
+def pre_backward_carried(config: Config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, params: Params):
+    types = (_sds(x.shape, x.dtype), _sds(carried.shape, _F32)) + tuple(_sds(p.shape, _F32) for p in params)
+    args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, *params)
+    return _call("mhc_pre_backward_carried", config, types, *args)
+
+
+def collapse_forward(config: Config, x, carried):
+    t, _, d = x.shape
+    return _call("mhc_collapse_forward", config, _sds((t, d), x.dtype), x, carried)
+
+
+def collapse_backward(config: Config, dout, x, carried):
+    return _call("mhc_collapse_backward", config, (_sds(x.shape, x.dtype), _sds(carried.shape, _F32)), dout, x, carried)
+
+
+def boundary_forward_carried(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params):
+    t, n, d = x.shape
+    types = (
+        _sds(x.shape, x.dtype),
+        _sds((t, d), x.dtype),
+        _sds((t, n), _F32),
+        _sds((t, n), _F32),
+        _sds((t, n, n), _F32),
+    )
+    return _call("mhc_boundary_forward_carried", config, types, x, layer_out, h_pre, h_post, h_res, *params)
+
+
+def boundary_backward_carried(config: Config, next_cotangents, x, layer_out, h_pre, h_post, h_res, params: Params):
+    """-> dx_partial, dlayer_out, dh_post, dh_res, dh_pre (the cotangent of h_pre: the dcarried of
+    sublayer l+1), then the parameter gradients of l+1."""
+    t, n, _ = x.shape
+    types = (
+        _sds(x.shape, x.dtype),
+        _sds(layer_out.shape, layer_out.dtype),
+        _sds((t, n), _F32),
+        _sds((t, n, n), _F32),
+        _sds((t, n), _F32),
+    ) + tuple(_sds(p.shape, _F32) for p in params)
+    args = (*next_cotangents, x, layer_out, h_pre, h_post, h_res, *params)
+    return _call("mhc_boundary_backward_carried", config, types, *args)
+
+
+def pre_forward_finish_carried(config: Config, slices: int, x, partials, carried, alpha, bias):
+    t, n, d = x.shape
+    types = (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
+    return _call("mhc_pre_forward_finish_carried", config, types, x, partials, carried, alpha, bias, slices=slices)
+
+
+def pre_backward_finish_carried(
+    config: Config, slices: int, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, carried, params: Params
+):
+    types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in params)
+    args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, carried, *params)
+    return _call("mhc_pre_backward_finish_carried", config, types, *args, slices=slices)
+
+
 # The operations as partitioned functions (see _partitioning): each takes x with any leading
 # (token) dims [..., n, D] and the parameters in the layout of the tensor-parallel split,
 # norm_weight [n, D] and phi [n, D, N], so that a device holding D/P features of every stream
@@ -415,6 +481,186 @@ def _boundary_backward_local(config: Config, plan, *operands):
     return tuple(jax.lax.platform_dependent(**_where_registered("mhc_boundary_backward", fused), default=separate))
 
 
+# V4.1's operations per device. The carried mix has its own layout letter ``c`` (n columns, or 0
+# for the one-hot), so that Shardy does not equate its size with the streams'.
+
+
+def _pre_forward_carried_local(config: Config, plan, x, carried, norm_weight, phi, alpha, bias):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t, width = math.prod(lead), config.projection_width
+    xf, cf = x.reshape(t, n, d), carried.reshape(t, carried.shape[-1])
+    params = _local_params(config, norm_weight, phi, alpha, bias)
+    if plan.slices == 1:
+        layer_in, h_pre, h_post, h_res = pre_forward_carried(config, xf, cf, params)
+        partials = jnp.zeros((t, width + 1), _F32)  # only the split backward reads them
+    else:
+        xf = _split_form(PRE_FORWARD_CARRIED, xf)
+        partials = pre_forward_partials(config, plan.slices, xf, params.norm_weight, params.phi)
+        partials = jax.lax.psum(partials, plan.feature_axes)
+        layer_in, h_pre, h_post, h_res = pre_forward_finish_carried(config, plan.slices, xf, partials, cf, alpha, bias)
+    return (
+        layer_in.reshape(*lead, d),
+        h_pre.reshape(*lead, n),
+        h_post.reshape(*lead, n),
+        h_res.reshape(*lead, n, n),
+        partials.reshape(*lead, width + 1),
+    )
+
+
+def _pre_backward_carried_local(config: Config, plan, *operands):
+    """-> dx, dcarried, then the parameter gradients. dh_pre is the cotangent of this sublayer's
+    own h_pre (from the next sublayer or the collapse), not derived from dlayer_in."""
+    cotangents, (x, carried, partials), shaped = operands[:5], operands[5:8], operands[8:]
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t, width, columns = math.prod(lead), config.projection_width, carried.shape[-1]
+    dli, dxp, dhpre, dhp, dhr, x, carried, partials = _zero_padded_rows(
+        plan.valid_tokens(lead), *cotangents, x, carried, partials
+    )
+    params = _local_params(config, *shaped)
+    flat = (
+        dli.reshape(t, d),
+        dxp.reshape(t, n, d),
+        dhpre.reshape(t, n),
+        dhp.reshape(t, n),
+        dhr.reshape(t, n, n),
+        x.reshape(t, n, d),
+    )
+    cf = carried.reshape(t, columns)
+    if plan.slices == 1:
+        dx, dcarried, *grads = pre_backward_carried(config, *flat, cf, params)
+    else:
+        xf = _split_form(PRE_BACKWARD_CARRIED, flat[-1])
+        # dcarried sums x * dlayer_in over D: the partial sums of V4's dh_pre, one all-reduce.
+        if columns:
+            dcarried = jax.lax.psum(pre_backward_partials(config, plan.slices, flat[0], xf), plan.feature_axes)
+        else:
+            dcarried = jnp.zeros((t, 0), _F32)
+        pf = partials.reshape(t, width + 1)
+        dx, *grads = pre_backward_finish_carried(config, plan.slices, *flat[:5], xf, pf, cf, params)
+    dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
+    return (
+        dx.reshape(x.shape),
+        dcarried.reshape(carried.shape),
+        dnorm_weight.reshape(n, d),
+        dphi.reshape(n, d, width),
+        dalpha,
+        dbias,
+    )
+
+
+def _collapse_forward_local(config: Config, plan, x, carried):
+    """Per feature: with D split each device collapses its own features, no collective."""
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t = math.prod(lead)
+    return (collapse_forward(config, x.reshape(t, n, d), carried.reshape(t, n)).reshape(*lead, d),)
+
+
+def _collapse_backward_local(config: Config, plan, dout, x, carried):
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    t = math.prod(lead)
+    dx, dcarried = collapse_backward(config, dout.reshape(t, d), x.reshape(t, n, d), carried.reshape(t, n))
+    # dcarried sums over D: with D split, one all-reduce completes it.
+    (dcarried,) = _psum_together((dcarried,), plan.feature_axes)
+    return dx.reshape(x.shape), dcarried.reshape(carried.shape)
+
+
+def _boundary_forward_carried_local(config: Config, plan, x, layer_out, h_pre, h_post, h_res, *shaped):
+    """post of sublayer l, then V4.1's pre of l+1 reading h_pre of l: fused where the platform has
+    the kernel and D is whole, else the two operations in turn (as _boundary_forward_local)."""
+
+    def separate():
+        (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
+        return (x_next, *_pre_forward_carried_local(config, plan, x_next, h_pre, *shaped))
+
+    def fused():
+        lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        t, width = math.prod(lead), config.projection_width
+        flat = (
+            x.reshape(t, n, d),
+            layer_out.reshape(t, d),
+            h_pre.reshape(t, n),
+            h_post.reshape(t, n),
+            h_res.reshape(t, n, n),
+        )
+        x_next, layer_in, next_h_pre, next_h_post, next_h_res = boundary_forward_carried(
+            config, *flat, _local_params(config, *shaped)
+        )
+        return (
+            x_next.reshape(x.shape),
+            layer_in.reshape(*lead, d),
+            next_h_pre.reshape(*lead, n),
+            next_h_post.reshape(*lead, n),
+            next_h_res.reshape(*lead, n, n),
+            jnp.zeros((*lead, width + 1), _F32),  # only the split backward reads them
+        )
+
+    if plan.slices > 1:
+        x = _split_form(BOUNDARY_FORWARD_CARRIED, x)
+        return separate()
+    return tuple(
+        jax.lax.platform_dependent(**_where_registered("mhc_boundary_forward_carried", fused), default=separate)
+    )
+
+
+def _boundary_backward_carried_local(config: Config, plan, *operands):
+    """V4.1's pre_backward of l+1 (x_{l+1} recomputed by the post of l, carried = h_pre of l), then
+    post_backward of l with g = its dx -> dx_partial, dlayer_out, dh_pre, dh_post, dh_res of l and
+    the parameter gradients of l+1; dh_pre is l+1's dcarried."""
+    cotangents_next, (x, layer_out, h_pre, h_post, h_res, partials), shaped = (
+        operands[:5],
+        operands[5:11],
+        operands[11:],
+    )
+
+    def separate():
+        (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
+        dx_next, dh_pre, *grads = _pre_backward_carried_local(
+            config, plan, *cotangents_next, x_next, h_pre, partials, *shaped
+        )
+        dx_partial, dlayer_out, dh_post, dh_res = _post_backward_local(
+            config, plan, dx_next, x, layer_out, h_post, h_res
+        )
+        return (dx_partial, dlayer_out, dh_pre, dh_post, dh_res, *grads)
+
+    def fused():
+        lead, (n, d) = x.shape[:-2], x.shape[-2:]
+        t, width = math.prod(lead), config.projection_width
+        # Padded rows zeroed in the post's inputs too: the x_next recomputed from them is then zero.
+        dli, dxp, dhpre, dhp, dhr, xs, lo, cp, hp, hr = _zero_padded_rows(
+            plan.valid_tokens(lead), *cotangents_next, x, layer_out, h_pre, h_post, h_res
+        )
+        flat_cotangents = (
+            dli.reshape(t, d),
+            dxp.reshape(t, n, d),
+            dhpre.reshape(t, n),
+            dhp.reshape(t, n),
+            dhr.reshape(t, n, n),
+        )
+        flat_post = (xs.reshape(t, n, d), lo.reshape(t, d), cp.reshape(t, n), hp.reshape(t, n), hr.reshape(t, n, n))
+        dx_partial, dlayer_out, dh_post, dh_res, dh_pre, *grads = boundary_backward_carried(
+            config, flat_cotangents, *flat_post, _local_params(config, *shaped)
+        )
+        dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
+        return (
+            dx_partial.reshape(x.shape),
+            dlayer_out.reshape(layer_out.shape),
+            dh_pre.reshape(h_pre.shape),
+            dh_post.reshape(h_post.shape),
+            dh_res.reshape(h_res.shape),
+            dnorm_weight.reshape(n, d),
+            dphi.reshape(n, d, width),
+            dalpha,
+            dbias,
+        )
+
+    if plan.slices > 1:
+        x = _split_form(BOUNDARY_BACKWARD_CARRIED, x)
+        return separate()
+    return tuple(
+        jax.lax.platform_dependent(**_where_registered("mhc_boundary_backward_carried", fused), default=separate)
+    )
+
+
 def _head_forward_local(config: Config, plan, x, fn, base, scale):
     """The head on this device's tokens (D whole: the head has no split form)."""
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
@@ -503,6 +749,57 @@ HEAD_BACKWARD = Operation(
     primary=1,  # x
     splits_features=False,
 )
+PRE_FORWARD_CARRIED = Operation(
+    "pre_forward_carried",
+    targets=("mhc_pre_forward_carried",),
+    split_targets=("mhc_pre_forward_partials", "mhc_pre_forward_finish_carried"),
+    operands=("Bnd", "Bc", *_PARAMS),
+    results=("Bd", "Bn", "Bn", "Bnm", "Bp"),
+    local=_pre_forward_carried_local,
+)
+PRE_BACKWARD_CARRIED = Operation(
+    "pre_backward_carried",
+    targets=("mhc_pre_backward_carried",),
+    split_targets=("mhc_pre_backward_partials", "mhc_pre_backward_finish_carried"),
+    operands=("Bd", "Bnd", "Bn", "Bn", "Bnm", "Bnd", "Bc", "Bp", *_PARAMS),
+    results=("Bnd", "Bc", *_PARAMS),
+    local=_pre_backward_carried_local,
+    primary=5,  # x
+)
+COLLAPSE_FORWARD = Operation(
+    "collapse_forward",
+    targets=("mhc_collapse_forward",),
+    split_targets=("mhc_collapse_forward",),  # the same kernel on each device's features
+    operands=("Bnd", "Bn"),
+    results=("Bd",),
+    local=_collapse_forward_local,
+)
+COLLAPSE_BACKWARD = Operation(
+    "collapse_backward",
+    targets=("mhc_collapse_backward",),
+    split_targets=("mhc_collapse_backward",),  # the same kernel, then an all-reduce of dcarried
+    operands=("Bd", "Bnd", "Bn"),
+    results=("Bnd", "Bn"),
+    local=_collapse_backward_local,
+    primary=1,  # x
+)
+BOUNDARY_FORWARD_CARRIED = Operation(
+    "boundary_forward_carried",
+    targets=("mhc_boundary_forward_carried",),
+    split_targets=(*POST_FORWARD.split_targets, *PRE_FORWARD_CARRIED.split_targets),  # no fused split
+    operands=("Bnd", "Bd", "Bn", "Bn", "Bnm", *_PARAMS),
+    results=("Bnd", "Bd", "Bn", "Bn", "Bnm", "Bp"),
+    local=_boundary_forward_carried_local,
+)
+BOUNDARY_BACKWARD_CARRIED = Operation(
+    "boundary_backward_carried",
+    targets=("mhc_boundary_backward_carried",),
+    split_targets=(*POST_FORWARD.split_targets, *PRE_BACKWARD_CARRIED.split_targets, *POST_BACKWARD.split_targets),
+    operands=("Bd", "Bnd", "Bn", "Bn", "Bnm", "Bnd", "Bd", "Bn", "Bn", "Bnm", "Bp", *_PARAMS),
+    results=("Bnd", "Bd", "Bn", "Bn", "Bnm", *_PARAMS),
+    local=_boundary_backward_carried_local,
+    primary=5,  # x
+)
 OPERATIONS = (
     PRE_FORWARD,
     PRE_BACKWARD,
@@ -512,6 +809,12 @@ OPERATIONS = (
     BOUNDARY_BACKWARD,
     HEAD_FORWARD,
     HEAD_BACKWARD,
+    PRE_FORWARD_CARRIED,
+    PRE_BACKWARD_CARRIED,
+    COLLAPSE_FORWARD,
+    COLLAPSE_BACKWARD,
+    BOUNDARY_FORWARD_CARRIED,
+    BOUNDARY_BACKWARD_CARRIED,
 )
 PARTITIONED_TARGETS = frozenset(
     target for operation in OPERATIONS for target in operation.targets + operation.split_targets
@@ -576,6 +879,8 @@ def _where_registered(target: str, branch) -> dict:
 _FALLBACKS = {
     BOUNDARY_FORWARD.name: (POST_FORWARD, PRE_FORWARD),
     BOUNDARY_BACKWARD.name: (PRE_BACKWARD, POST_BACKWARD, POST_FORWARD),
+    BOUNDARY_FORWARD_CARRIED.name: (POST_FORWARD, PRE_FORWARD_CARRIED),
+    BOUNDARY_BACKWARD_CARRIED.name: (PRE_BACKWARD_CARRIED, POST_BACKWARD, POST_FORWARD),
 }
 FALLBACK_CHOICES = ("warn", "allow", "error")
 """``fallback=`` of ``mhc.jax.boundary`` / ``sublayer``: run the documented fallback with a warning
@@ -739,7 +1044,9 @@ def _lead(x) -> int:
 # The parameters are not named: they are the caller's arguments, which a policy keeps anyway.
 RESIDUAL_X = "mhc_x"  # the streams x [..., n, D] going into a sublayer's post (and pre)
 RESIDUAL_LAYER_OUT = "mhc_layer_out"  # the sublayer's output [..., D] given to post / boundary
-RESIDUAL_COEFFICIENTS = "mhc_coefficients"  # h_post [..., n] and h_res [..., n, n] given to post / boundary
+# h_post [..., n] and h_res [..., n, n] given to post / boundary; and V4.1's carried mix [..., n]
+# (the previous sublayer's h_pre, read by pre, the boundary and collapse; [..., 0] for the one-hot).
+RESIDUAL_COEFFICIENTS = "mhc_coefficients"
 RESIDUAL_PARTIALS = "mhc_pre_partials"  # pre's per-token partial sums (pre, boundary), kept for its backward
 RESIDUAL_NAMES = (RESIDUAL_X, RESIDUAL_LAYER_OUT, RESIDUAL_COEFFICIENTS, RESIDUAL_PARTIALS)
 
@@ -832,6 +1139,89 @@ def _boundary_bwd(config, fallback, tensor_axis, residuals, cotangents):
 
 
 boundary.defvjp(_boundary_fwd, _boundary_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def pre_carried(config: Config, tensor_axis, x, carried, params: Params):
+    """V4.1's pre: x [..., n, D] and the carried mix [..., n] (or [..., 0]: the one-hot) ->
+    layer_in [..., D], x (for the context), h_pre [..., n] (to carry), h_post, h_res. The
+    cotangent of h_pre enters the backward's gate step as given (spec: Single-pass schedule)."""
+    return _pre_carried_fwd(config, tensor_axis, x, carried, params)[0]
+
+
+def _pre_carried_fwd(config, tensor_axis, x, carried, params):
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
+    operands = (x, carried, *shaped)
+    layer_in, h_pre, h_post, h_res, partials = _apply(
+        PRE_FORWARD_CARRIED, config, _lead(x), *operands, tensor_axis=tensor_axis
+    )
+    saved = (*_named(RESIDUAL_X, x), *_named(RESIDUAL_COEFFICIENTS, carried), *_named(RESIDUAL_PARTIALS, partials))
+    return (layer_in, x, h_pre, h_post, h_res), (*saved, params)
+
+
+def _pre_carried_bwd(config, tensor_axis, residuals, cotangents):
+    x, carried, partials, params = residuals
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
+    operands = (*cotangents, x, carried, partials, *shaped)
+    dx, dcarried, *grads = _apply(PRE_BACKWARD_CARRIED, config, _lead(x), *operands, tensor_axis=tensor_axis)
+    return dx, dcarried, _param_grads(params, tensor_axis, *grads)
+
+
+pre_carried.defvjp(_pre_carried_fwd, _pre_carried_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def collapse(config: Config, tensor_axis, x, carried):
+    """V4.1's end: x [..., n, D], carried [..., n] -> sum_k carried[k] x[k], [..., D]."""
+    return _apply(COLLAPSE_FORWARD, config, _lead(x), x, carried, tensor_axis=tensor_axis)[0]
+
+
+def _collapse_fwd(config, tensor_axis, x, carried):
+    out = collapse(config, tensor_axis, x, carried)
+    return out, (*_named(RESIDUAL_X, x), *_named(RESIDUAL_COEFFICIENTS, carried))
+
+
+def _collapse_bwd(config, tensor_axis, residuals, dout):
+    x, carried = residuals
+    return tuple(_apply(COLLAPSE_BACKWARD, config, _lead(x), dout, x, carried, tensor_axis=tensor_axis))
+
+
+collapse.defvjp(_collapse_fwd, _collapse_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def boundary_carried(config: Config, fallback: str, tensor_axis, x, layer_out, h_pre, h_post, h_res, params: Params):
+    """post of sublayer l (x, layer_out, h_post, h_res) then V4.1's pre of l+1 reading h_pre of l
+    -> layer_in [..., D], x_next, h_pre, h_post, h_res of l+1: the outputs of ``pre_carried`` for
+    x_next. The backward keeps x, not x_next (recomputed per tile)."""
+    return _boundary_carried_fwd(config, fallback, tensor_axis, x, layer_out, h_pre, h_post, h_res, params)[0]
+
+
+def _boundary_carried_fwd(config, fallback, tensor_axis, x, layer_out, h_pre, h_post, h_res, params):
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
+    operands = (x, layer_out, h_pre, h_post, h_res, *shaped)
+    x_next, layer_in, next_h_pre, next_h_post, next_h_res, partials = _apply(
+        BOUNDARY_FORWARD_CARRIED, config, _lead(x), *operands, fallback=fallback, tensor_axis=tensor_axis
+    )
+    saved = (
+        *_named(RESIDUAL_X, x),
+        *_named(RESIDUAL_LAYER_OUT, layer_out),
+        *_named(RESIDUAL_COEFFICIENTS, h_pre, h_post, h_res),
+        *_named(RESIDUAL_PARTIALS, partials),
+    )
+    return (layer_in, x_next, next_h_pre, next_h_post, next_h_res), (*saved, params)
+
+
+def _boundary_carried_bwd(config, fallback, tensor_axis, residuals, cotangents):
+    x, layer_out, h_pre, h_post, h_res, partials, params = residuals
+    shaped = _shaped(config, x.shape[-1], params, tensor_axis)
+    # cotangents: layer_in, x_next (the next post's dx_partial), h_pre, h_post, h_res of l+1.
+    operands = (*cotangents, x, layer_out, h_pre, h_post, h_res, partials, *shaped)
+    results = _apply(BOUNDARY_BACKWARD_CARRIED, config, _lead(x), *operands, fallback=fallback, tensor_axis=tensor_axis)
+    return (*results[:5], _param_grads(params, tensor_axis, *results[5:]))
+
+
+boundary_carried.defvjp(_boundary_carried_fwd, _boundary_carried_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

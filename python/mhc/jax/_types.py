@@ -30,6 +30,9 @@ class Config:
     rms_eps: float = 1e-6
     pre_eps: float = 1e-6
     post_scale: float = 2.0
+    # DeepSeek-V4.1's single-pass schedule (its hc_pre_from_prev_sublayer; spec: Single-pass
+    # schedule): the pre-apply reads the carried mix, the previous sublayer's h_pre.
+    pre_from_previous: bool = False
 
     def __post_init__(self):
         if self.mix not in MIXES:
@@ -47,6 +50,11 @@ class Config:
             raise ValueError(f"Config.rms_eps: expected a finite value > 0, got {self.rms_eps!r}")
         if not math.isfinite(self.post_scale):
             raise ValueError(f"Config.post_scale: expected a finite value, got {self.post_scale!r}")
+        if not isinstance(self.pre_from_previous, (bool, np.bool_)):
+            raise ValueError(
+                f"Config.pre_from_previous: expected a bool (True: DeepSeek-V4.1's carried mix), "
+                f"got {self.pre_from_previous!r}"
+            )
 
     @property
     def residual_logits(self) -> int:
@@ -105,6 +113,8 @@ class Context:
 
     x [..., n, D] (x's dtype), h_post [..., n] and h_res [..., n, n] (f32). `config`, `use_kernel`
     and `tensor_axis` are static, so post runs the same path as the pre that made the context.
+    h_pre [..., n] (f32): with ``config.pre_from_previous`` (V4.1) this sublayer's pre gates, the
+    mix the next sublayer's pre (or ``collapse``) reads; None in V4, whose pre used them itself.
     """
 
     x: jax.Array
@@ -115,6 +125,7 @@ class Context:
     # Inside jax.shard_map, the mesh axis that splits D (pre's tensor_axis): post's backward sums
     # over it.
     tensor_axis: str | None = dataclasses.field(default=None, metadata=dict(static=True))
+    h_pre: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -126,6 +137,17 @@ class Pending:
 
     layer_out: jax.Array
     ctx: Context
+
+
+class Streams(NamedTuple):
+    """The streams between two sublayers with every post applied: x [..., n, D] and, in V4.1
+    (``Config.pre_from_previous``), the carried mix [..., n] f32 that the next sublayer's pre reads
+    (None: the one-hot on stream 0, as at the first sublayer; always None in V4).
+    ``mhc.jax.streams`` makes one from a chain's state; a caller may change x (V4.1's Engram adds
+    to every stream there) and pass ``Streams(new_x, carried)`` on to ``mhc.jax.sublayer``."""
+
+    x: jax.Array
+    carried: jax.Array | None = None
 
 
 ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -169,6 +191,37 @@ def check_pre_args(x, params: Params, config: Config) -> None:
     m, width = n * d, config.projection_width
     expected = {"norm_weight": (m,), "phi": (m, width), "alpha": (3,), "bias": (width,)}
     _check_f32_params(params, expected, f"n={n}, D={d}, mix={config.mix!r}")
+
+
+def check_carried(carried, x, config: Config) -> None:
+    """The carried mix of V4.1's pre: None, or f32 [..., n] with x's leading axes."""
+    if carried is None:
+        return
+    if not config.pre_from_previous:
+        raise ValueError(
+            "carried: a carried mix is read only by DeepSeek-V4.1's schedule; pass "
+            "Config(..., pre_from_previous=True), or carried=None"
+        )
+    if not hasattr(carried, "dtype") or not hasattr(carried, "shape"):
+        raise TypeError(f"carried: expected an array [..., n] (float32), got {type(carried).__name__}")
+    if jnp.dtype(carried.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"carried: expected dtype float32 (the previous sublayer's h_pre), got {carried.dtype}")
+    expected = tuple(x.shape[:-2]) + (config.n,)
+    if tuple(carried.shape) != expected:
+        raise ValueError(f"carried: expected shape {expected} (x's leading axes, config.n), got {tuple(carried.shape)}")
+
+
+def check_collapse_args(x, carried) -> None:
+    """V4.1's collapse: x [..., n, D] and the carried mix f32 [..., n]."""
+    check_activation("x", x)
+    if x.ndim < 2 or x.shape[-1] < 1:
+        raise ValueError(f"x: expected shape [..., n, D] with rank >= 2 and D >= 1, got {tuple(x.shape)}")
+    if jnp.dtype(carried.dtype) != jnp.dtype(jnp.float32):
+        raise TypeError(f"carried: expected dtype float32 (the last sublayer's h_pre), got {carried.dtype}")
+    if tuple(carried.shape) != tuple(x.shape[:-1]):
+        raise ValueError(
+            f"carried: expected shape {tuple(x.shape[:-1])} (x's leading axes, n), got {tuple(carried.shape)}"
+        )
 
 
 def check_head_args(x, params: HeadParams, config: Config) -> None:

@@ -11,7 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc.jax._types import Config, Context, HeadParams, Params, check_head_args, check_post_args, check_pre_args
+from mhc.jax._types import (
+    Config,
+    Context,
+    HeadParams,
+    Params,
+    check_carried,
+    check_collapse_args,
+    check_head_args,
+    check_post_args,
+    check_pre_args,
+)
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -68,12 +78,33 @@ def coefficients(x: jax.Array, params: Params, config: Config):
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
 
-def pre(x: jax.Array, params: Params, config: Config):
-    """layer_in [..., D] (x's dtype) and the Context for post."""
+def pre(x: jax.Array, params: Params, config: Config, carried: jax.Array | None = None):
+    """layer_in [..., D] (x's dtype) and the Context for post.
+
+    V4 (``config.pre_from_previous`` False): layer_in = sum_k h_pre[k] x[k]. V4.1: layer_in =
+    sum_k carried[k] x[k], the carried mix [..., n] f32 (None: the one-hot on stream 0), and the
+    context keeps this sublayer's h_pre for the next (spec: Single-pass schedule)."""
     check_pre_args(x, params, config)
+    check_carried(carried, x, config)
     h_pre, h_post, h_res = coefficients(x, params, config)
-    layer_in = jnp.einsum("tk,tkd->td", _tokens(h_pre, 1), _tokens(x, 2).astype(jnp.float32), precision=_HIGHEST)
-    return layer_in.reshape(x.shape[:-2] + x.shape[-1:]).astype(x.dtype), Context(x, h_post, h_res, config, False)
+    if not config.pre_from_previous:
+        layer_in = _mix(h_pre, x)
+        return layer_in, Context(x, h_post, h_res, config, False)
+    layer_in = x[..., 0, :] if carried is None else _mix(carried, x)
+    return layer_in, Context(x, h_post, h_res, config, False, h_pre=h_pre)
+
+
+def _mix(weights: jax.Array, x: jax.Array) -> jax.Array:
+    """sum_k weights[..., k] x[..., k, :] in f32, rounded to x's dtype: [..., D]."""
+    out = jnp.einsum("tk,tkd->td", _tokens(weights, 1), _tokens(x, 2).astype(jnp.float32), precision=_HIGHEST)
+    return out.reshape(x.shape[:-2] + x.shape[-1:]).astype(x.dtype)
+
+
+def collapse(x: jax.Array, carried: jax.Array) -> jax.Array:
+    """DeepSeek-V4.1's end of the model: h [..., D] = sum_k carried[..., k] x[..., k, :] (x's
+    dtype), carried the last sublayer's h_pre [..., n] f32 (spec: Single-pass schedule)."""
+    check_collapse_args(x, carried)
+    return _mix(carried, x)
 
 
 def post(layer_out: jax.Array, ctx: Context) -> jax.Array:

@@ -11,6 +11,11 @@ so a token's results equal post_forward then pre_forward with the same tile, bit
 The pre needs a whole token (every feature) before its pre-apply, so unlike the post kernels
 there is no feature chunk axis: a tile holds x and x_{l+1} of every stream; large n D take
 smaller token tiles (_layout.TOKEN_TILES down to 32).
+
+DeepSeek-V4.1's boundary (boundary_forward_carried, boundary_backward_carried; spec: Single-pass
+schedule; unverified on TPU hardware as the rest) is the same kernels with sublayer l's h_pre as
+the carried mix of l+1: one (G, tile) block more in, and in the backward l+1's dcarried (the
+cotangent of l's h_pre) out.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from mhc.tpu import _layout, _post, _pre, _pre_backward
 _F32 = jnp.float32
 
 
-def _forward_kernel(*refs, config: Config, features: int):
+def _forward_kernel(*refs, config: Config, features: int, carried: bool):
+    """carried: V4.1's boundary, whose h_pre of l ((G, tile), after h_res) is l+1's carried mix."""
     x_ref, layer_out_ref, h_post_ref, h_res_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
+    carried_ref = parameters.pop(0) if carried else _pre.OWN_GATES
     weight_ref, scale_ref, bias_ref, table_ref = (*parameters, None)[:4]
     _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
     _pre.pre_body(
@@ -42,12 +49,16 @@ def _forward_kernel(*refs, config: Config, features: int):
         coefficients_ref,
         config=config,
         features=features,
+        carried_ref=carried_ref,
     )
 
 
-def forward_tile(config: Config, d: int, dtype, layer_out_dtype, capacity: int | None = None) -> int:
+def forward_tile(
+    config: Config, d: int, dtype, layer_out_dtype, capacity: int | None = None, *, carried: bool = False
+) -> int:
     """The token tile boundary_forward chooses for x [T, n, d] of dtype and layer_out of
-    layer_out_dtype on a chip with `capacity` bytes of VMEM (default: the chip traced for)."""
+    layer_out_dtype on a chip with `capacity` bytes of VMEM (default: the chip traced for);
+    `carried`: V4.1's (boundary_forward_carried), with h_pre of l in."""
     padded, n = _layout.padded_features(d), config.n
     size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
     # Double-buffered: x in, x_next out (the stream axis padded to the sublanes), layer_out in,
@@ -57,6 +68,7 @@ def forward_tile(config: Config, d: int, dtype, layer_out_dtype, capacity: int |
     # The post's f32 streams and its sum, then the pre's coefficient step (counted apart: the
     # compiler need not reuse the post's temporaries).
     per_token += (n + 1) * padded * 4 + _pre.coefficient_bytes_per_token(config, padded)
+    per_token += 2 * _layout.group_rows(n) * 4 if carried else 0
     return _layout.choose_token_tile(
         "boundary_forward",
         per_token,
@@ -74,8 +86,38 @@ def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params
     mhc.tpu.pre_forward."""
     _post._check("boundary_forward", config, x, layer_out, h_post, h_res, tile)
     _pre.check_params("boundary_forward", config, x, params)
+    return _forward(config, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def boundary_forward_carried(
+    config: Config, x, layer_out, h_pre, h_post, h_res, params: Params, *, tile=None, interpret=None
+):
+    """DeepSeek-V4.1's boundary (spec: Single-pass schedule), the contract of the
+    mhc_boundary_forward_carried target: as boundary_forward, but the pre of l+1 mixes x_next with
+    the carried mix h_pre [T, n] f32 of sublayer l (pre_forward_carried(x_next, carried = h_pre)):
+    x_next, layer_in, h_pre, h_post, h_res of l+1, the same bits as post_forward then
+    pre_forward_carried. `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    operation = "boundary_forward_carried"
+    _post._check(operation, config, x, layer_out, h_post, h_res, tile)
+    _pre.check_params(operation, config, x, params)
+    _check_h_pre(operation, h_pre, x)
+    return _forward(config, x, layer_out, h_pre, h_post, h_res, params, tile, interpret)
+
+
+def _check_h_pre(operation: str, h_pre, x):
+    if h_pre.shape != x.shape[:2] or h_pre.dtype != _F32:
+        raise ValueError(
+            f"mhc.tpu.{operation}: h_pre: expected float32 {x.shape[:2]} (sublayer l's own pre gates, the carried "
+            f"mix of l+1), got {h_pre.shape} {h_pre.dtype}"
+        )
+
+
+def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret):
+    """The fused forward for checked operands; h_pre OWN_GATES (V4) or the carried mix [T, n]."""
     t, n, d = x.shape
-    tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype)
+    carried = h_pre is not _pre.OWN_GATES
+    tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (
             jnp.zeros(x.shape, x.dtype),
@@ -88,11 +130,14 @@ def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params
     streams = pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0))
     features = pl.BlockSpec((tile, padded), lambda i: (i, 0))
     parameters, parameter_specs = _pre.parameter_operands(config, params, d)
+    if carried:
+        parameters = [_pre.carried_lanes(config, h_pre, tile), *parameters]
+        parameter_specs = [pl.BlockSpec((None, _layout.group_rows(n), tile), lambda i: (i, 0, 0)), *parameter_specs]
     coefficient_spec, coefficient_shape = _pre.coefficient_output(config, t, tile)
     flops, transcendentals, coefficient_bytes = _pre.coefficient_cost(config, t, padded)
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
     x_next, layer_in, coefficients = pl.pallas_call(
-        functools.partial(_forward_kernel, config=config, features=d),
+        functools.partial(_forward_kernel, config=config, features=d, carried=carried),
         grid=(pl.cdiv(t, tile),),
         in_specs=[
             streams,
@@ -113,21 +158,32 @@ def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params
         cost_estimate=pl.CostEstimate(
             flops=int(2 * t * n * (n + 1) * padded + flops),
             transcendentals=int(transcendentals),
-            bytes_accessed=int(t * padded * (2 * n * size + lo_size + size) + t * (n + n * n) * 4 + coefficient_bytes),
+            bytes_accessed=int(
+                t * padded * (2 * n * size + lo_size + size)
+                + t * ((2 if carried else 1) * n + n * n) * 4
+                + coefficient_bytes
+            ),
         ),
         interpret=interpret if interpret is not None else False,
     )(_post._padded(x, padded), _post._padded(layer_out, padded), h_post, h_res.reshape(t, n * n), *parameters)
     return (x_next[:, :, :d], layer_in[:, :d], *_pre.split_coefficients(config, coefficients, t))
 
 
-def _backward_kernel(*refs, config: Config, features: int, tokens: int, sinkhorn: bool, permutations: bool):
+def _backward_kernel(
+    *refs, config: Config, features: int, tokens: int, sinkhorn: bool, permutations: bool, carried: bool
+):
+    """carried: V4.1's boundary: h_pre of l ((G, tile), after the parameters) is l+1's carried mix,
+    dh_next starts with l+1's dH_pre group, and dh_pre of l ((G, tile), after dalpha) receives
+    l+1's dcarried."""
     refs = list(refs)
     dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
     weight_ref, scale_ref, bias_ref = refs[7:10]
     refs = refs[10:]
     table_t_ref = refs.pop(0) if permutations else None
+    carried_ref = refs.pop(0) if carried else _pre.OWN_GATES
     dx_partial_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, gram_ref, dbias_ref, dalpha_ref = refs[:7]
     refs = refs[7:]
+    dh_pre_ref = refs.pop(0) if carried else None
     x_next_ref, g_ref = refs[:2]
     steps_ref = refs[2] if sinkhorn else None
     columns_ref = refs[-1]
@@ -159,6 +215,8 @@ def _backward_kernel(*refs, config: Config, features: int, tokens: int, sinkhorn
         config=config,
         features=features,
         tokens=tokens,
+        carried_ref=carried_ref,
+        dcarried_ref=dh_pre_ref,
     )
     lanes = pl.ds(pl.multiple_of(pl.program_id(1) * chunk, _layout.LANES), chunk)
     _post._backward_kernel(
@@ -175,8 +233,11 @@ def _backward_kernel(*refs, config: Config, features: int, tokens: int, sinkhorn
     )
 
 
-def backward_tile(config: Config, d: int, dtype, layer_out_dtype, capacity: int | None = None) -> int:
-    """The token tile boundary_backward chooses (VMEM plan) on a chip with `capacity` bytes."""
+def backward_tile(
+    config: Config, d: int, dtype, layer_out_dtype, capacity: int | None = None, *, carried: bool = False
+) -> int:
+    """The token tile boundary_backward chooses (VMEM plan) on a chip with `capacity` bytes;
+    `carried`: V4.1's (boundary_backward_carried)."""
     n, padded = config.n, _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     size, lo_size = jnp.dtype(dtype).itemsize, jnp.dtype(layer_out_dtype).itemsize
@@ -194,6 +255,8 @@ def backward_tile(config: Config, d: int, dtype, layer_out_dtype, capacity: int 
     per_token += (n + 1 + 4) * padded * 4 + (n + 3) * chunk * 4
     iterations = 2 * config.sinkhorn_iters if config.mix == "sinkhorn" else 0
     per_token += (iterations * n * g + _layout.round_up(rows + g + _layout.SUBLANES, _layout.LANES) + 8 * rows) * 4
+    # V4.1: l+1's dH_pre group, h_pre of l in and its cotangent out, G f32 rows each, double-buffered.
+    per_token += 2 * 3 * g * 4 if carried else 0
     # The weight (single-buffered) and the gradient accumulator (rows, n Dp) with its columns.
     fixed = _pre.parameter_bytes(config, padded) + 2 * (rows * n * padded + 2 * rows * _layout.LANES) * 4
     return _layout.choose_token_tile(
@@ -224,27 +287,75 @@ def boundary_backward(
     Params. Returns (dx_partial [T, n, D] x's dtype, dlayer_out [T, D] layer_out's dtype, dh_post
     [T, n], dh_res [T, n, n], dnorm_weight [n D], dphi [n D, N], dalpha [3], dbias [N] f32): the
     contract of mhc.jax's boundary_backward kernel. `tile`, `interpret`: as mhc.tpu.pre_forward."""
-    _post._check("boundary_backward", config, x, layer_out, h_post, h_res, tile)
-    _pre.check_params("boundary_backward", config, x, params)
+    operation = "boundary_backward"
+    cotangents = (dlayer_in, dx_partial_next, None, dh_post_next, dh_res_next)
+    _check_backward(operation, config, cotangents, x, layer_out, h_post, h_res, params, tile)
+    return _backward(config, cotangents, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def boundary_backward_carried(
+    config: Config,
+    next_dlayer_in,
+    next_dx_partial,
+    next_dh_pre,
+    next_dh_post,
+    next_dh_res,
+    x,
+    layer_out,
+    h_pre,
+    h_post,
+    h_res,
+    params: Params,
+    *,
+    tile=None,
+    interpret=None,
+):
+    """The backward of boundary_forward_carried (DeepSeek-V4.1): pre_backward_carried of l+1
+    (carried = h_pre of l, x_{l+1} recomputed) and post_backward of l with g = its dx, fused.
+    Operands: l+1's cotangents (as boundary_backward's, with next_dh_pre [T, n] f32, the cotangent
+    of l+1's own h_pre, after next_dx_partial), then x, layer_out, h_pre, h_post, h_res of l and
+    l+1's Params. Returns (dx_partial, dlayer_out, dh_post, dh_res, dh_pre [T, n] f32 (l+1's
+    dcarried: the cotangent of l's h_pre), dnorm_weight, dphi, dalpha, dbias): the contract of the
+    mhc_boundary_backward_carried target. `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    operation = "boundary_backward_carried"
+    cotangents = (next_dlayer_in, next_dx_partial, next_dh_pre, next_dh_post, next_dh_res)
+    _check_backward(operation, config, cotangents, x, layer_out, h_post, h_res, params, tile)
+    _check_h_pre(operation, h_pre, x)
+    return _backward(config, cotangents, x, layer_out, h_pre, h_post, h_res, params, tile, interpret)
+
+
+def _check_backward(operation: str, config: Config, cotangents, x, layer_out, h_post, h_res, params, tile):
+    _post._check(operation, config, x, layer_out, h_post, h_res, tile)
+    _pre.check_params(operation, config, x, params)
     t, n, d = x.shape
-    for name, value, shape, dtype in (
-        ("dlayer_in", dlayer_in, (t, d), x.dtype),
-        ("dx_partial_next", dx_partial_next, x.shape, x.dtype),
-        ("dh_post_next", dh_post_next, (t, n), _F32),
-        ("dh_res_next", dh_res_next, (t, n, n), _F32),
-    ):
-        if value.shape != shape or value.dtype != dtype:
+    prefix = "next_" if operation.endswith("carried") else ""
+    names = (f"{prefix}dlayer_in", "next_dx_partial" if prefix else "dx_partial_next", "next_dh_pre")
+    names += ("next_dh_post", "next_dh_res") if prefix else ("dh_post_next", "dh_res_next")
+    shapes = ((t, d), x.shape, (t, n), (t, n), (t, n, n))
+    dtypes = (x.dtype, x.dtype, _F32, _F32, _F32)
+    for name, value, shape, dtype in zip(names, cotangents, shapes, dtypes, strict=True):
+        if value is not None and (value.shape != shape or value.dtype != dtype):
             raise ValueError(
-                f"mhc.tpu.boundary_backward: {name}: expected shape {shape} and dtype {jnp.dtype(dtype)}, "
+                f"mhc.tpu.{operation}: {name}: expected shape {shape} and dtype {jnp.dtype(dtype)}, "
                 f"got {value.shape} {value.dtype}"
             )
-    tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype)
+
+
+def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret):
+    """The fused backward for checked operands: cotangents (dlayer_in, dx_partial, dh_pre or None
+    (V4), dh_post, dh_res) of l+1; h_pre OWN_GATES (V4) or l's, the carried mix of l+1."""
+    dlayer_in, dx_partial_next, dh_pre_next, dh_post_next, dh_res_next = cotangents
+    t, n, d = x.shape
+    carried = h_pre is not _pre.OWN_GATES
+    tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (
             jnp.zeros(x.shape, x.dtype),
             jnp.zeros(layer_out.shape, layer_out.dtype),
             jnp.zeros((0, n), _F32),
             jnp.zeros((0, n, n), _F32),
+            *([jnp.zeros((0, n), _F32)] if carried else []),
         ) + tuple(jnp.zeros(jnp.shape(p), _F32) for p in params)
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
@@ -253,11 +364,7 @@ def boundary_backward(
     parameters = [weight, scale, bias]
     if config.mix == "permutations":
         parameters.append(jnp.asarray(_pre._permutation_table(n).T))
-    # dH_post of l+1 at rows 0..n, row i of its dH_res at (1 + i) G (as pre_backward's dh).
-    dh_rows = list(range(n)) + [(1 + i) * g + j for i in range(n) for j in range(n)]
-    dh_next = _pre_backward.tokens_in_lanes(
-        jnp.concatenate([dh_post_next, dh_res_next.reshape(t, n * n)], axis=1), dh_rows, (1 + n) * g, tile
-    )
+    dh_next = _pre_backward.coefficient_cotangents(config, dh_pre_next, dh_post_next, dh_res_next, tile)
     whole_stream = pl.BlockSpec((tile, n, padded), lambda i, c: (i, 0, 0))
     whole_features = pl.BlockSpec((tile, padded), lambda i, c: (i, 0))
     chunk_stream = pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c))
@@ -267,13 +374,17 @@ def boundary_backward(
     single = pl.Buffered(buffer_count=1)
     resident = lambda i, c: (0, 0)  # noqa: E731
     parameter_specs = [pl.BlockSpec(p.shape, resident, pipeline_mode=single) for p in parameters]
+    per_tile = pl.BlockSpec((None, g, tile), lambda i, c: (i, 0, 0))
+    if carried:
+        parameters.append(_pre.carried_lanes(config, h_pre, tile))
+        parameter_specs.append(per_tile)
     scratch = [pltpu.VMEM((tile, n, padded), x.dtype), pltpu.VMEM((tile, n, chunk), x.dtype)]
     if config.mix == "sinkhorn":
         scratch.append(pltpu.VMEM((2 * config.sinkhorn_iters, n * g, tile), _F32))
     scratch.append(pltpu.VMEM((tile, rows + g + _layout.SUBLANES), _F32))
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
     flops, transcendentals, coefficient_bytes = _pre.coefficient_cost(config, t, padded)
-    dx_partial, dlayer_out, dh_post, dh_res, gram, dbias_rows, dalpha_rows = pl.pallas_call(
+    dx_partial, dlayer_out, dh_post, dh_res, gram, dbias_rows, dalpha_rows, *dh_pre = pl.pallas_call(
         functools.partial(
             _backward_kernel,
             config=config,
@@ -281,6 +392,7 @@ def boundary_backward(
             tokens=t,
             sinkhorn=config.mix == "sinkhorn",
             permutations=config.mix == "permutations",
+            carried=carried,
         ),
         grid=(pl.cdiv(t, tile), padded // chunk),
         in_specs=[
@@ -301,6 +413,7 @@ def boundary_backward(
             pl.BlockSpec(weight.shape, resident),
             pl.BlockSpec((rows, 1), resident),
             pl.BlockSpec((rows, 1), resident),
+            *([per_tile] if carried else []),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((t, n, padded), x.dtype),
@@ -310,6 +423,7 @@ def boundary_backward(
             jax.ShapeDtypeStruct(weight.shape, _F32),
             jax.ShapeDtypeStruct((rows, 1), _F32),
             jax.ShapeDtypeStruct((rows, 1), _F32),
+            *([jax.ShapeDtypeStruct((pl.cdiv(t, tile), g, tile), _F32)] if carried else []),
         ],
         scratch_shapes=scratch,
         # Both axes sequential: the parameter gradients accumulate over the tiles in order, dh_post
@@ -325,7 +439,10 @@ def boundary_backward(
             flops=int(2 * flops + 6 * t * n * (n + 1) * padded),
             transcendentals=int(2 * transcendentals),
             bytes_accessed=int(
-                t * padded * (3 * n * size + 2 * lo_size + size) + 3 * t * (n + n * n) * 4 + 2 * coefficient_bytes
+                t * padded * (3 * n * size + 2 * lo_size + size)
+                + 3 * t * (n + n * n) * 4
+                + 2 * coefficient_bytes
+                + (3 * t * n * 4 if carried else 0)
             ),
         ),
         interpret=interpret if interpret is not None else False,
@@ -344,5 +461,6 @@ def boundary_backward(
         dlayer_out[:, :d],
         dh_post,
         dh_res.reshape(t, n, n),
+        *([_layout.tokens_from_lanes(dh_pre[0], t, n)] if carried else []),
         *_pre_backward.parameter_grads(config, params, gram, dbias_rows[:, 0], dalpha_rows[:, 0], d),
     )

@@ -148,7 +148,7 @@ def head_backward(config: Config, dout, x, head: HeadParams, *, tile: int | None
         return jnp.zeros(x.shape, x.dtype), jnp.zeros((n, n * d), _F32), jnp.zeros((n,), _F32), jnp.zeros((1,), _F32)
     tile = tile or backward_tile(config, d, x.dtype)
     weight, scale, bias = _weight(config, head, d)
-    dx, gram, dbias, dalpha = _pre_backward.run(
+    dx, _, gram, dbias, dalpha = _pre_backward.run(
         config, x, dout, None, None, weight, scale, bias, None, tile=tile, interpret=interpret
     )
     padded = _layout.padded_features(d)

@@ -21,6 +21,9 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
 
 LANES = 128
 SUBLANES = 8
@@ -119,3 +122,17 @@ def choose_token_tile(operation: str, per_token_bytes: int, fixed_bytes: int, bu
         f"{budget / 2**20:.0f} MiB budget of this chip: n * D is too large for the TPU kernels "
         "(they keep every stream of a token tile in VMEM)"
     )
+
+
+def tokens_in_lanes(values, row_of_column, rows: int, tile: int):
+    """[T, C] f32 -> [token tiles, rows, tile]: column c at row row_of_column[c] of each tile, the
+    tokens in the lanes (a whole last dimension at any tile), the rest zero."""
+    t = values.shape[0]
+    tiles = pl.cdiv(t, tile)
+    packed = jnp.zeros((tiles * tile, rows), jnp.float32).at[:t, np.asarray(row_of_column)].set(values)
+    return jnp.transpose(packed.reshape(tiles, tile, rows), (0, 2, 1))
+
+
+def tokens_from_lanes(packed, t: int, columns: int):
+    """[token tiles, rows, tile] (the tokens in the lanes) -> [T, columns]: rows 0..columns."""
+    return jnp.transpose(packed, (0, 2, 1)).reshape(-1, packed.shape[1])[:t, :columns]

@@ -4,6 +4,10 @@ TPU interpret mode, by lowering to Mosaic and by compiling for v5e/v6e, never ru
 Per tile, x is read from HBM once: the projection and the sum of squares stream over it one
 stream at a time (the MXU, full f32 precision), the coefficients follow with the tokens in the
 lanes (spec: Forward steps 1-5), and the pre-apply re-reads the tile from VMEM.
+
+pre_forward_carried is DeepSeek-V4.1's (spec: Single-pass schedule; unverified on TPU hardware as
+the rest): the same kernel, whose pre-apply reads the carried mix (a (G, tile) block per token
+tile, the tokens in the lanes as the gates) or, for the one-hot on stream 0, copies x_0.
 """
 
 from __future__ import annotations
@@ -103,9 +107,28 @@ def sigmoid(value):
     return 1.0 / (1.0 + jnp.exp(-value))
 
 
+def stream_dots(x_ref, other, n: int):
+    """(G, tile) f32: row k = sum over the lanes of x_ref[:, k, :] * other ((tile, lanes) f32), with
+    the tokens in the lanes by the MXU's ones product at full f32 precision (V4's dH_pre from
+    dlayer_in, V4.1's dcarried); the padded lanes are zero and add nothing."""
+    g, tile = _layout.group_rows(n), x_ref.shape[0]
+    ones = jnp.ones((_layout.SUBLANES, x_ref.shape[2]), _F32)
+    sublane = jax.lax.broadcasted_iota(jnp.int32, (g, tile), 0)
+    result = jnp.zeros((g, tile), _F32)
+    for k in range(n):
+        product = x_ref[:, k, :].astype(_F32) * other
+        total = jax.lax.dot_general(ones, product, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
+        result = jnp.where(sublane == k, total[0:1], result)
+    return result
+
+
 def pre_apply(h_pre, x_ref, n: int):
-    """layer_in (tile, Dp) f32 = sum_k H_pre[k] x_k (spec: Forward step 6) from the gates (G, tile),
-    brought back to the tokens-in-sublanes layout by one transpose, and the tile in VMEM."""
+    """layer_in (tile, Dp) f32 = sum_k H_pre[k] x_k (spec: Forward step 6) from the pre-apply
+    weights (G, tile) (the gates, or V4.1's carried mix), brought back to the tokens-in-sublanes
+    layout by one transpose, and the tile in VMEM. h_pre None: V4.1's one-hot on stream 0, x_0
+    itself."""
+    if h_pre is None:
+        return x_ref[:, 0, :].astype(_F32)
     gates = h_pre.T
     layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)
     for k in range(1, n):
@@ -113,11 +136,33 @@ def pre_apply(h_pre, x_ref, n: int):
     return layer_in
 
 
-def pre_body(x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref, *, config, features):
+# pre_body's and the backward's `carried` for DeepSeek-V4's pre-apply, which mixes x with the
+# sublayer's own h_pre (V4.1 passes its carried mix instead: a ref, or None for the one-hot).
+OWN_GATES = "own gates"
+# The wrappers' names of V4.1's two cases: the one-hot on stream 0 (a [T, 0] carried operand: no
+# block), and a carried mix [T, n] (a (G, tile) block per token tile, the tokens in the lanes).
+ONE_HOT, CARRIED = "one-hot", "carried"
+
+
+def pre_body(
+    x_ref,
+    weight_ref,
+    scale_ref,
+    bias_ref,
+    table_ref,
+    layer_in_ref,
+    coefficients_ref,
+    *,
+    config,
+    features,
+    carried_ref=OWN_GATES,
+):
     """Spec: Forward steps 1-6 for one token tile of x_ref [tile, n, Dp] (an input block, or the
     boundary kernel's x_next output block, already in VMEM): layer_in_ref [tile, Dp] and
     coefficients_ref [coefficient rows, tile] (tokens in the lanes). table_ref: the permutation
-    table, or None (Sinkhorn)."""
+    table, or None (Sinkhorn). carried_ref: OWN_GATES (V4: the pre-apply mixes with this tile's
+    h_pre), or V4.1's carried mix (spec: Single-pass schedule) as a (G, tile) ref with the tokens
+    in the lanes, or None for its one-hot on stream 0."""
     n, g = config.n, _layout.group_rows(config.n)
     tile = x_ref.shape[0]
     # Steps 1-2.
@@ -139,15 +184,19 @@ def pre_body(x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, co
         )
     coefficients_ref[...] = jnp.concatenate([h_pre, h_post, h_res], axis=0)
     # Step 6, from the tile in VMEM.
-    layer_in = pre_apply(h_pre, x_ref, n)
+    mix = h_pre if carried_ref is OWN_GATES else (None if carried_ref is None else carried_ref[...])
+    layer_in = pre_apply(mix, x_ref, n)
     layer_in_ref[...] = layer_in.astype(layer_in_ref.dtype)
 
 
-def _kernel(*refs, config: Config, features: int):
+def _kernel(*refs, config: Config, features: int, carried: str):
+    """carried: OWN_GATES (V4), ONE_HOT, or CARRIED (a (G, tile) block of the mix follows x)."""
+    x_ref, *refs = refs
+    carried_ref = refs.pop(0) if carried == CARRIED else (None if carried == ONE_HOT else OWN_GATES)
     if config.mix == "permutations":
-        x_ref, weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref = refs
+        weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref = refs
     else:
-        (x_ref, weight_ref, scale_ref, bias_ref, layer_in_ref, coefficients_ref), table_ref = refs, None
+        (weight_ref, scale_ref, bias_ref, layer_in_ref, coefficients_ref), table_ref = refs, None
     pre_body(
         x_ref,
         weight_ref,
@@ -158,6 +207,7 @@ def _kernel(*refs, config: Config, features: int):
         coefficients_ref,
         config=config,
         features=features,
+        carried_ref=carried_ref,
     )
 
 
@@ -184,12 +234,14 @@ def _transposed_weight(config: Config, params: Params, features: int, padded: in
     return weight, scale, bias
 
 
-def token_tile(config: Config, d: int, dtype, capacity: int | None = None) -> int:
+def token_tile(config: Config, d: int, dtype, capacity: int | None = None, *, carried: bool = False) -> int:
     """The token tile pre_forward chooses for x [T, n, d] of dtype on a chip with `capacity` bytes
-    of VMEM (default: the chip traced for, _layout.chip_vmem) from the VMEM plan."""
+    of VMEM (default: the chip traced for, _layout.chip_vmem) from the VMEM plan; `carried`: with
+    V4.1's carried mix as an operand (pre_forward_carried)."""
     padded, size = _layout.padded_features(d), jnp.dtype(dtype).itemsize
-    # Double-buffered x and layer_in tiles.
+    # Double-buffered x and layer_in tiles (and the carried mix, G f32 rows).
     per_token = 2 * _layout.stream_sublanes(config.n, size) * padded * size + 2 * padded * size
+    per_token += 2 * _layout.group_rows(config.n) * 4 if carried else 0
     return _layout.choose_token_tile(
         "pre_forward",
         per_token + coefficient_bytes_per_token(config, padded),
@@ -294,8 +346,42 @@ def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, i
     pltpu.InterpretParams to run in the TPU interpreter."""
     check_params("pre_forward", config, x, params)
     check_tile("pre_forward", tile)
+    return run(config, x, params, OWN_GATES, tile=tile, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def pre_forward_carried(config: Config, x, carried, params: Params, *, tile: int | None = None, interpret=None):
+    """DeepSeek-V4.1's pre forward (spec: Single-pass schedule), the contract of the
+    mhc_pre_forward_carried target: the outputs of pre_forward (h_pre, h_post, h_res this
+    sublayer's own, the same bits), but layer_in = sum_k carried[k] x_k with the carried mix
+    carried f32 [T, n] (the previous sublayer's h_pre), or x_0 for a [T, 0] carried (the one-hot
+    on stream 0, the first sublayer). `tile`, `interpret`: as pre_forward."""
+    check_params("pre_forward_carried", config, x, params)
+    check_tile("pre_forward_carried", tile)
+    check_carried("mhc.tpu.pre_forward_carried", carried, *x.shape[:2])
+    return run(config, x, params, None if carried.shape[1] == 0 else carried, tile=tile, interpret=interpret)
+
+
+def check_carried(operation: str, carried, t: int, n: int):
+    """V4.1's carried mix: f32 [T, n], or [T, 0] for the one-hot on stream 0, or a ValueError."""
+    if carried.ndim != 2 or carried.shape[0] != t or carried.shape[1] not in (0, n) or carried.dtype != _F32:
+        raise ValueError(
+            f"{operation}: carried: expected float32 [T, n] = [{t}, {n}] (or [{t}, 0] for the one-hot on "
+            f"stream 0), got {carried.shape} {carried.dtype}"
+        )
+
+
+def carried_lanes(config: Config, carried, tile: int):
+    """A carried mix [T, n] f32 as [token tiles, G, tile] (tokens in the lanes, the padding 0)."""
+    return _layout.tokens_in_lanes(carried, range(config.n), _layout.group_rows(config.n), tile)
+
+
+def run(config: Config, x, params: Params, carried, *, tile: int | None, interpret):
+    """pre_forward for checked operands; carried: OWN_GATES (V4), None (V4.1's one-hot on stream
+    0) or V4.1's carried mix [T, n] f32, which the pre-apply reads instead of h_pre."""
     t, n, d = x.shape
-    tile = tile or token_tile(config, d, x.dtype)
+    mode = OWN_GATES if carried is OWN_GATES else (ONE_HOT if carried is None else CARRIED)
+    tile = tile or token_tile(config, d, x.dtype, carried=mode == CARRIED)
     if t == 0:
         return (
             jnp.zeros((0, d), x.dtype),
@@ -307,19 +393,27 @@ def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, i
     parameters, parameter_specs = parameter_operands(config, params, d)
     coefficient_spec, coefficient_shape = coefficient_output(config, t, tile)
     flops, transcendentals, coefficient_bytes = coefficient_cost(config, t, padded)
+    operands = [jnp.pad(x, ((0, 0), (0, 0), (0, padded - d)))]
+    in_specs = [pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0))]
+    if mode == CARRIED:
+        operands.append(carried_lanes(config, carried, tile))
+        in_specs.append(pl.BlockSpec((None, _layout.group_rows(n), tile), lambda i: (i, 0, 0)))
     layer_in, coefficients = pl.pallas_call(
-        functools.partial(_kernel, config=config, features=d),
+        functools.partial(_kernel, config=config, features=d, carried=mode),
         grid=(pl.cdiv(t, tile),),
-        in_specs=[pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0)), *parameter_specs],
+        in_specs=[*in_specs, *parameter_specs],
         out_specs=[pl.BlockSpec((tile, padded), lambda i: (i, 0)), coefficient_spec],
         out_shape=[jax.ShapeDtypeStruct((t, padded), x.dtype), coefficient_shape],
         compiler_params=compiler_params(),
-        # Spec: Minimum memory traffic, (n + 1) D e per token, plus the coefficients.
+        # Spec: Minimum memory traffic, (n + 1) D e per token, plus the coefficients (and V4.1's
+        # carried mix, 4 n bytes).
         cost_estimate=pl.CostEstimate(
             flops=int(flops),
             transcendentals=int(transcendentals),
-            bytes_accessed=int(t * (n + 1) * padded * x.dtype.itemsize + coefficient_bytes),
+            bytes_accessed=int(
+                t * (n + 1) * padded * x.dtype.itemsize + coefficient_bytes + (t * n * 4 if mode == CARRIED else 0)
+            ),
         ),
         interpret=interpret if interpret is not None else False,
-    )(jnp.pad(x, ((0, 0), (0, 0), (0, padded - d))), *parameters)
+    )(*operands, *parameters)
     return (layer_in[:, :d], *split_coefficients(config, coefficients, t))

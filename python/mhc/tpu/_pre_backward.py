@@ -11,7 +11,10 @@ whole grid (so they are summed tile after tile, in a fixed order: bitwise reprod
 chunk then writes its lanes of dx = dx_partial + H_pre dli + dP W - dr r^3 x / M, with dx_partial
 and dx in [tile, n, chunk] blocks (whole ones would not fit VMEM in bf16 at D = 2048).
 
-The same body runs DeepSeek-V4's head backward (mhc.tpu._head): the pre gates only, no dx_partial.
+The same body runs DeepSeek-V4's head backward (mhc.tpu._head): the pre gates only, no dx_partial;
+and DeepSeek-V4.1's pre_backward_carried (spec: Single-pass schedule; unverified on TPU hardware
+as the rest): dH_pre comes in with dH_post and dH_res, dx's pre-apply term takes the carried mix,
+and the per-stream sums over D of x dli (V4's dH_pre) go out as dcarried.
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ def backward_body(
     config: Config,
     features: int,
     tokens: int,
+    carried_ref=_pre.OWN_GATES,
+    dcarried_ref=None,
 ):
     """One grid step (token tile i, feature chunk c) of the pre backward, for the pre kernel, the
     head (gates only: dx_partial_ref, dh_ref, table_t_ref and steps_ref None, weight_ref with the
@@ -125,9 +130,16 @@ def backward_body(
     gradient before the norm weight), dbias_ref and dalpha_ref (rows, 1) = sum_t da and
     sum_t da Z per logit row. Scratch: steps_ref (2 iters, n G, tile) (Sinkhorn) and columns_ref
     (tile, rows + G + 8): dP and the per-token scalars with the tokens in the sublanes.
-    `tokens`: T, to mask the ragged last tile out of the parameter gradients."""
+    `tokens`: T, to mask the ragged last tile out of the parameter gradients.
+
+    DeepSeek-V4.1's carried mix (spec: Single-pass schedule): carried_ref the mix (G, tile) (tokens
+    in the lanes), or None for the one-hot on stream 0, instead of OWN_GATES. Then dh_ref has a
+    group more in front, dH_pre (an input: the next sublayer's dcarried), dx's pre-apply term
+    takes the carried mix for H_pre, and sum_d x_k dli (V4's dH_pre) goes to dcarried_ref (G, tile)
+    if given."""
     n, g = config.n, _layout.group_rows(config.n)
     gates_only = dh_ref is None
+    own_gates = carried_ref is _pre.OWN_GATES
     tile, padded, chunk = x_ref.shape[0], x_ref.shape[2], dx_ref.shape[2]
     rows = weight_ref.shape[0]
     i, c = pl.program_id(0), pl.program_id(1)
@@ -145,22 +157,22 @@ def backward_body(
         z = r * logits
         scale = scale_ref[...]
         a = scale * z + bias_ref[...]
-        # dH_pre[k] = sum_d x_k dli, a row per stream (the MXU's ones product puts it in the lanes).
-        dli = dli_ref[...].astype(_F32)
-        ones = jnp.ones((_layout.SUBLANES, padded), _F32)
         sublane = jax.lax.broadcasted_iota(jnp.int32, (g, tile), 0)
-        dh_pre = jnp.zeros((g, tile), _F32)
-        for k in range(n):
-            product = x_ref[:, k, :].astype(_F32) * dli
-            total = jax.lax.dot_general(
-                ones, product, _pre._CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
-            )
-            dh_pre = jnp.where(sublane == k, total[0:1], dh_pre)
+        dh = None if gates_only else dh_ref[...]
+        if not own_gates:
+            # V4.1: dH_pre is given, the first group of dh.
+            dh_pre, dh = dh[0:g], dh[g:]
+        if own_gates or dcarried_ref is not None:
+            # sum_d x_k dli: V4's dH_pre, V4.1's dcarried.
+            mixed = _pre.stream_dots(x_ref, dli_ref[...].astype(_F32), n)
+            if own_gates:
+                dh_pre = mixed
+            else:
+                dcarried_ref[...] = mixed
         # Gates (pre_eps has no gradient).
         s_pre = _pre.sigmoid(a[0:g])
         parts = [dh_pre * s_pre * (1.0 - s_pre)]
         if not gates_only:
-            dh = dh_ref[...]
             s_post = _pre.sigmoid(a[g : 2 * g])
             parts.append(dh[0:g] * config.post_scale * s_post * (1.0 - s_post))
             if config.mix == "sinkhorn":
@@ -183,7 +195,14 @@ def backward_body(
                 dp, stream, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32
             )
         x_coefficient = jnp.broadcast_to(dr * r * r * r / (n * features), (_TOKEN_SCALARS, tile))
-        columns_ref[...] = jnp.concatenate([dp, s_pre + config.pre_eps, x_coefficient], axis=0).T
+        # The pre-apply's weights of dx = ... + H_pre dli: the gates, or V4.1's carried mix.
+        if own_gates:
+            pre_apply_weights = s_pre + config.pre_eps
+        elif carried_ref is None:
+            pre_apply_weights = jnp.where(sublane == 0, 1.0, 0.0)
+        else:
+            pre_apply_weights = carried_ref[...]
+        columns_ref[...] = jnp.concatenate([dp, pre_apply_weights, x_coefficient], axis=0).T
 
     columns = columns_ref[...]
     dp_t = columns[:, 0:rows]
@@ -201,14 +220,24 @@ def backward_body(
 
 
 def backward_tile(
-    config: Config, d: int, dtype, *, rows: int, gates_only: bool, operation: str, capacity: int | None = None
+    config: Config,
+    d: int,
+    dtype,
+    *,
+    rows: int,
+    gates_only: bool,
+    operation: str,
+    capacity: int | None = None,
+    carried: bool = False,
 ) -> int:
     """The token tile of the pre (or head) backward for x [T, n, d] of dtype on a chip with
     `capacity` bytes of VMEM (default: the chip traced for, _layout.chip_vmem), from the VMEM
     plan: double-buffered x [tile, n, Dp] and dli [tile, Dp] blocks, dx_partial and dx
     [tile, n, chunk] blocks, f32 temporaries (four of a stream at the first chunk, three of a chunk
     after), the Sinkhorn steps, the column pack and the logit-sized temporaries; fixed: the weight
-    (rows, n Dp) single-buffered and the gradient accumulator of its shape, double-buffered."""
+    (rows, n Dp) single-buffered and the gradient accumulator of its shape, double-buffered.
+    `carried`: V4.1's (pre_backward_carried): dH_pre's group of dh, the carried mix and dcarried
+    (G f32 rows each, double-buffered) more."""
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     size = jnp.dtype(dtype).itemsize
@@ -219,6 +248,7 @@ def backward_tile(
     steps = 2 * config.sinkhorn_iters * n * g if not gates_only and config.mix == "sinkhorn" else 0
     pack = _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES)
     per_token += 4 * (pack + 8 * rows + 2 * (1 + n) * g)
+    per_token += 4 * 2 * 3 * g if carried else 0
     fixed = 3 * rows * n * padded * 4
     budget = _layout.vmem_budget(capacity or _layout.chip_vmem())
     smallest = _layout.TOKEN_TILES[-1]
@@ -232,19 +262,15 @@ def backward_tile(
     return _layout.choose_token_tile(operation, per_token + 4 * steps, fixed, budget)
 
 
-def _check(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Params, tile):
-    operation = "mhc.tpu.pre_backward"
+def _check(operation: str, config: Config, cotangents, x, params: Params, tile):
+    """cotangents: (name, value, shape as a function of (T, n, D), dtype or None for x's)."""
     if x.ndim != 3 or x.shape[1] != config.n:
         raise ValueError(f"{operation}: x: expected [T, n = {config.n}, D], got shape {x.shape}")
     if x.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"{operation}: x: expected float32 or bfloat16, got {x.dtype}")
     t, n, d = x.shape
-    for name, value, shape, dtype in (
-        ("dlayer_in", dlayer_in, (t, d), x.dtype),
-        ("dx_partial", dx_partial, (t, n, d), x.dtype),
-        ("dh_post", dh_post, (t, n), _F32),
-        ("dh_res", dh_res, (t, n, n), _F32),
-    ):
+    for name, value, shape_of, dtype in cotangents:
+        shape, dtype = shape_of(t, n, d), dtype or x.dtype
         if value.shape != shape or value.dtype != dtype:
             raise ValueError(
                 f"{operation}: {name}: expected shape {shape} and dtype {jnp.dtype(dtype).name}, "
@@ -260,13 +286,13 @@ def _check(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Pa
         raise ValueError(f"{operation}: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
 
 
-def tokens_in_lanes(values, row_of_column, rows: int, tile: int):
-    """[T, C] f32 -> [token tiles, rows, tile]: column c at row row_of_column[c] of each tile, the
-    tokens in the lanes (a whole last dimension at any tile), the rest zero."""
-    t = values.shape[0]
-    tiles = pl.cdiv(t, tile)
-    packed = jnp.zeros((tiles * tile, rows), _F32).at[:t, np.asarray(row_of_column)].set(values)
-    return jnp.transpose(packed.reshape(tiles, tile, rows), (0, 2, 1))
+def _v4_cotangents(dlayer_in, dx_partial, dh_post, dh_res):
+    return (
+        ("dlayer_in", dlayer_in, lambda t, n, d: (t, d), None),
+        ("dx_partial", dx_partial, lambda t, n, d: (t, n, d), None),
+        ("dh_post", dh_post, lambda t, n, d: (t, n), _F32),
+        ("dh_res", dh_res, lambda t, n, d: (t, n, n), _F32),
+    )
 
 
 def run(
@@ -282,11 +308,14 @@ def run(
     *,
     tile: int,
     interpret,
+    carried=_pre.OWN_GATES,
 ):
-    """The pallas_call for x [T, n, D] (T > 0), shared by the pre and head backwards: returns dx
-    [T, n, D] and the accumulators (gram (rows, n Dp), dbias (rows, 1), dalpha (rows, 1)). dx_partial
-    and dh None for the head; dh [token tiles, (1 + n) G, tile] (tokens_in_lanes); table_t None but
-    for permutations."""
+    """The pallas_call for x [T, n, D] (T > 0), shared by the pre, V4.1's carried pre and head
+    backwards: returns dx [T, n, D], dcarried [T, n] (None but for a carried mix) and the
+    accumulators (gram (rows, n Dp), dbias (rows, 1), dalpha (rows, 1)). dx_partial and dh None
+    for the head; dh [token tiles, (1 + n) G, tile] (_layout.tokens_in_lanes), with dH_pre's group
+    in front ((2 + n) G rows) for V4.1; table_t None but for permutations. carried: OWN_GATES
+    (V4), None (V4.1's one-hot on stream 0) or the carried mix [token tiles, G, tile]."""
     t, n, d = x.shape
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
@@ -312,6 +341,11 @@ def run(
     if table_t is not None:
         operands.append(table_t)
         in_specs.append(pl.BlockSpec(table_t.shape, whole, pipeline_mode=once))
+    with_carried = carried is not _pre.OWN_GATES and carried is not None
+    per_tile = pl.BlockSpec((None, g, tile), lambda i, c: (i, 0, 0))
+    if with_carried:
+        operands.append(carried)
+        in_specs.append(per_tile)
     scratch = []
     sinkhorn = not gates_only and config.mix == "sinkhorn"
     if sinkhorn:
@@ -325,8 +359,10 @@ def run(
         x_ref, weight_ref, scale_ref, bias_ref = refs[:4]
         refs = refs[4:]
         table_t_ref = refs.pop(0) if table_t is not None else None
+        carried_ref = refs.pop(0) if with_carried else carried
         dx_ref, gram_ref, dbias_ref, dalpha_ref = refs[:4]
         refs = refs[4:]
+        dcarried_ref = refs.pop(0) if with_carried else None
         steps_ref = refs.pop(0) if sinkhorn else None
         (columns_ref,) = refs
         backward_body(
@@ -347,6 +383,8 @@ def run(
             config=config,
             features=d,
             tokens=t,
+            carried_ref=carried_ref,
+            dcarried_ref=dcarried_ref,
         )
 
     iterations = 2 * config.sinkhorn_iters if sinkhorn else 1
@@ -362,22 +400,27 @@ def run(
             + 2 * rows * (n * padded + 2) * 4
         ),
     )
-    dx, gram, dbias, dalpha = pl.pallas_call(
+    out_specs = [
+        streams,
+        pl.BlockSpec(weight.shape, whole),
+        pl.BlockSpec((rows, 1), whole),
+        pl.BlockSpec((rows, 1), whole),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((t, n, padded), x.dtype),
+        jax.ShapeDtypeStruct(weight.shape, _F32),
+        jax.ShapeDtypeStruct((rows, 1), _F32),
+        jax.ShapeDtypeStruct((rows, 1), _F32),
+    ]
+    if with_carried:
+        out_specs.append(per_tile)
+        out_shape.append(jax.ShapeDtypeStruct(carried.shape, _F32))
+    dx, gram, dbias, dalpha, *dcarried = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(t, tile), padded // chunk),
         in_specs=in_specs,
-        out_specs=[
-            streams,
-            pl.BlockSpec(weight.shape, whole),
-            pl.BlockSpec((rows, 1), whole),
-            pl.BlockSpec((rows, 1), whole),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((t, n, padded), x.dtype),
-            jax.ShapeDtypeStruct(weight.shape, _F32),
-            jax.ShapeDtypeStruct((rows, 1), _F32),
-            jax.ShapeDtypeStruct((rows, 1), _F32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         scratch_shapes=scratch,
         # Both axes sequential: the parameter gradients accumulate over the tiles in order.
         compiler_params=pltpu.CompilerParams(
@@ -387,7 +430,9 @@ def run(
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
     )(*operands)
-    return dx[:, :, :d], gram, dbias[:, 0], dalpha[:, 0]
+    # dcarried: [token tiles, G, tile] -> [T, n].
+    dcarried = _layout.tokens_from_lanes(dcarried[0], t, n) if with_carried else None
+    return dx[:, :, :d], dcarried, gram, dbias[:, 0], dalpha[:, 0]
 
 
 def _padded(a, padded: int):
@@ -422,23 +467,93 @@ def pre_backward(
     contract of mhc.jax's pre_backward kernel (operands in its order; dlayer_in [T, D] and
     dx_partial [T, n, D] in x's dtype, dh_post [T, n] and dh_res [T, n, n] f32, Params in the
     kernels' layout). `tile`, `interpret`: as mhc.tpu.pre_forward."""
-    _check(config, dlayer_in, dx_partial, dh_post, dh_res, x, params, tile)
+    _check("mhc.tpu.pre_backward", config, _v4_cotangents(dlayer_in, dx_partial, dh_post, dh_res), x, params, tile)
+    dx, _, *grads = _backward(
+        config, dlayer_in, dx_partial, None, dh_post, dh_res, x, _pre.OWN_GATES, params, tile, interpret
+    )
+    return (dx, *grads)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+def pre_backward_carried(
+    config: Config,
+    dlayer_in,
+    dx_partial,
+    dh_pre,
+    dh_post,
+    dh_res,
+    x,
+    carried,
+    params: Params,
+    *,
+    tile: int | None = None,
+    interpret=None,
+):
+    """DeepSeek-V4.1's pre backward (spec: Single-pass schedule): (dx [T, n, D] x's dtype, dcarried
+    [T, n] or [T, 0], dnorm_weight, dphi, dalpha, dbias f32), the contract of the
+    mhc_pre_backward_carried target. As pre_backward, but dh_pre [T, n] f32 (the cotangent of this
+    sublayer's own h_pre) enters the gate backward as given, dx's pre-apply term takes the carried
+    mix (f32 [T, n], or [T, 0] for the one-hot on stream 0), and dcarried = sum_d x dlayer_in
+    ([T, 0] for the one-hot)."""
+    operation = "mhc.tpu.pre_backward_carried"
+    cotangents = _v4_cotangents(dlayer_in, dx_partial, dh_post, dh_res)
+    _check(operation, config, (*cotangents, ("dh_pre", dh_pre, lambda t, n, d: (t, n), _F32)), x, params, tile)
+    _pre.check_carried(operation, carried, *x.shape[:2])
+    one_hot = carried.shape[1] == 0
+    dx, dcarried, *grads = _backward(
+        config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, None if one_hot else carried, params, tile, interpret
+    )
+    return (dx, jnp.zeros((x.shape[0], 0), _F32) if one_hot else dcarried, *grads)
+
+
+def coefficient_cotangents(config: Config, dh_pre, dh_post, dh_res, tile: int):
+    """The kernel's dh operand [token tiles, rows, tile] (_layout.tokens_in_lanes): dH_post at rows
+    0..n, row i of dH_res at (1 + i) G: the coefficient rows past h_pre, (1 + n) G rows; with V4.1's
+    dH_pre (not None) in a group in front, (2 + n) G rows."""
+    t, n, g = dh_post.shape[0], config.n, _layout.group_rows(config.n)
+    rows = list(range(n)) + [(1 + i) * g + j for i in range(n) for j in range(n)]
+    columns = [dh_post, dh_res.reshape(t, n * n)]
+    if dh_pre is not None:
+        rows = list(range(n)) + [g + row for row in rows]
+        columns = [dh_pre, *columns]
+    return _layout.tokens_in_lanes(jnp.concatenate(columns, axis=1), rows, (len(columns) - 1 + n) * g, tile)
+
+
+def _backward(config: Config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, params, tile, interpret):
+    """The pre backward for checked operands: (dx, dcarried or None, *parameter grads). carried:
+    OWN_GATES (V4: dh_pre None, computed in the kernel), None (V4.1's one-hot) or [T, n] f32."""
     t, n, d = x.shape
     if t == 0:
-        return (jnp.zeros(x.shape, x.dtype),) + tuple(jnp.zeros(np.shape(p), _F32) for p in params)
-    rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
+        dcarried = None if carried is _pre.OWN_GATES or carried is None else jnp.zeros((0, n), _F32)
+        return (jnp.zeros(x.shape, x.dtype), dcarried) + tuple(jnp.zeros(np.shape(p), _F32) for p in params)
+    own_gates = carried is _pre.OWN_GATES
+    rows = _layout.logit_rows(n, config.mix)
     if tile is None:
-        tile = backward_tile(config, d, x.dtype, rows=rows, gates_only=False, operation="pre_backward")
+        operation = "pre_backward" if own_gates else "pre_backward_carried"
+        tile = backward_tile(
+            config, d, x.dtype, rows=rows, gates_only=False, operation=operation, carried=not own_gates
+        )
     padded = _layout.padded_features(d)
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
-    # dH_post at rows 0..n, row i of dH_res at (1 + i) G: the coefficient rows past h_pre.
-    dh_rows = [k for k in range(n)] + [(1 + i) * g + j for i in range(n) for j in range(n)]
-    dh = tokens_in_lanes(jnp.concatenate([dh_post, dh_res.reshape(t, n * n)], axis=1), dh_rows, (1 + n) * g, tile)
+    dh = coefficient_cotangents(config, None if own_gates else dh_pre, dh_post, dh_res, tile)
     table_t = jnp.asarray(_pre._permutation_table(n).T) if config.mix == "permutations" else None
-    dx, gram, dbias_rows, dalpha_rows = run(
-        config, x, dlayer_in, dx_partial, dh, weight, scale, bias, table_t, tile=tile, interpret=interpret
+    if not own_gates and carried is not None:
+        carried = _pre.carried_lanes(config, carried, tile)
+    dx, dcarried, gram, dbias_rows, dalpha_rows = run(
+        config,
+        x,
+        dlayer_in,
+        dx_partial,
+        dh,
+        weight,
+        scale,
+        bias,
+        table_t,
+        tile=tile,
+        interpret=interpret,
+        carried=carried,
     )
-    return (dx, *parameter_grads(config, params, gram, dbias_rows, dalpha_rows, d))
+    return (dx, dcarried, *parameter_grads(config, params, gram, dbias_rows, dalpha_rows, d))
 
 
 def parameter_grads(config: Config, params: Params, gram, dbias_rows, dalpha_rows, d: int):
