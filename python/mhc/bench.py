@@ -365,6 +365,24 @@ def _median_seconds(function, args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _interleaved(first, first_args, second, second_args, repeats: int) -> tuple[float, float, float]:
+    """Two functions timed in turns, one call of each per round (both compiled and warmed up
+    first): the median time of each and the median per-round ratio first / second, which a
+    shared machine's drift between two separately timed medians does not reach."""
+    import jax
+
+    jax.block_until_ready(first(*first_args))
+    jax.block_until_ready(second(*second_args))
+    times = ([], [])
+    for _ in range(repeats):
+        for function, args, kept in ((first, first_args, times[0]), (second, second_args, times[1])):
+            start = time.perf_counter()
+            jax.block_until_ready(function(*args))
+            kept.append(time.perf_counter() - start)
+    ratios = [a / b for a, b in zip(*times, strict=True)]
+    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
+
+
 def _memory_probe(s: Shape, use_kernel: bool, tuned: bool) -> dict:
     """Peak resident memory added by one sublayer forward+backward (run in a fresh process, after
     ``mhc.tune_allocator()`` if ``tuned``)."""
@@ -490,6 +508,18 @@ def _run_cases(shapes, ops, repeats: int, memory: bool, progress: bool, machine:
                     "separate_bytes": minimum_bytes(op, s, separate=True),
                     "fused_speedup": separate / times[True],
                 }
+            if op in V41_VERSUS_V4:  # V4.1's kernels against V4's counterpart, timed in turns
+                v41, v41_names = _functions(op, True, config)
+                v4, v4_names = _functions(V41_VERSUS_V4[op], True, config)
+                v41_s, v4_s, ratio = _interleaved(
+                    v41, tuple(data[n] for n in v41_names), v4, tuple(data[n] for n in v4_names), repeats
+                )
+                extra |= {
+                    "v4_op": V41_VERSUS_V4[op],
+                    "v41_interleaved_ms": v41_s * 1e3,
+                    "v4_interleaved_ms": v4_s * 1e3,
+                    "v41_over_v4": ratio,
+                }
             nbytes, flops = minimum_bytes(op, s), flop_count(op, s)
             memory_floor = nbytes / (machine["copy_gbs"] * 1e9)
             peak = machine["fma_peak_gflops"]
@@ -570,33 +600,26 @@ def format_decode_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _shape_key(r: dict) -> tuple:
-    return (r["tokens"], r["n"], r["dim"], r["dtype"], r["mix"], r.get("batch_axis", False))
-
-
 def _v41_versus_v4(rows: list, scale: float, unit: str) -> list[str]:
-    """DeepSeek-V4.1's rows against V4's at the same shape (kernel path): the time ratio and the
-    spec's bytes of each."""
-    by_shape = {(_shape_key(r), r["op"]): r for r in rows if r["op"] in OPS}
-    pairs = [
-        (r, by_shape[(_shape_key(r), V41_VERSUS_V4[r["op"]])])
-        for r in rows
-        if r["op"] in V41_VERSUS_V4 and (_shape_key(r), V41_VERSUS_V4[r["op"]]) in by_shape
-    ]
+    """DeepSeek-V4.1's rows against V4's counterpart at the same shape (kernel path), the two
+    timed in turns: the median of each and the median per-round ratio; the spec's bytes are the
+    same for both."""
+    pairs = [r for r in rows if "v41_over_v4" in r]
     if not pairs:
         return []
     digits = 1 if scale > 1 else 3
     lines = [
         "",
-        f"DeepSeek-V4.1 against V4 at the same shape (kernel path, {unit}; bytes: the spec's minimum, the same):",
+        f"DeepSeek-V4.1 against V4 at the same shape (kernel path, {unit}, the two timed in turns; "
+        "V4.1/V4: the median per-round ratio; bytes: the spec's minimum, the same for both):",
         f"{'shape':<26} {'V4.1 op':<21} {'V4 op':<17} {'V4.1':>9} {'V4':>9} {'V4.1/V4':>8} {'MiB':>8}",
     ]
-    for v41, v4 in pairs:
-        shape = f"T={v41['tokens']} n={v41['n']} D={v41['dim']} {v41['dtype']}"
+    for r in pairs:
+        shape = f"T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"
         lines.append(
-            f"{shape:<26} {v41['op']:<21} {v4['op']:<17} "
-            f"{v41['kernel_ms'] * scale:>9.{digits}f} {v4['kernel_ms'] * scale:>9.{digits}f} "
-            f"{v41['kernel_ms'] / v4['kernel_ms']:>7.2f}x {v41['minimum_bytes'] / 2**20:>8.2f}"
+            f"{shape:<26} {r['op']:<21} {r['v4_op']:<17} "
+            f"{r['v41_interleaved_ms'] * scale:>9.{digits}f} {r['v4_interleaved_ms'] * scale:>9.{digits}f} "
+            f"{r['v41_over_v4']:>7.2f}x {r['minimum_bytes'] / 2**20:>8.2f}"
         )
     return lines
 

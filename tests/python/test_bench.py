@@ -114,18 +114,20 @@ def result_allocator(path):
 
 def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys, tune_calls):
     path = tmp_path / "bench.json"
-    # The decode table's V4.1 rows: V4's and V4.1's boundaries (set against each
-    # other), the collapse; test_kernel_and_plain_functions_agree compiles every operation.
-    ops = ["boundary_fwd", "v41_boundary_fwd", "collapse_fwd"]
+    # An operation, V4.1's boundary (timed in turns with V4's) and the collapse;
+    # test_kernel_and_plain_functions_agree compiles every operation.
+    ops = ["pre_backward", "v41_boundary_fwd", "collapse_fwd"]
     argv = ["--table", "decode", "--decode-tokens", "2", "--decode-dims", "8", "--dtypes", "f32"]
     argv += ["--allocator", "default", "--ops", *ops, "head_fwd"]  # head_fwd: not a decode op
     assert bench.main(argv + ["--json", str(path)]) == 0
     table = capsys.readouterr().out
     assert "Decode" in table and "kernel us" in table and "floor us" in table
-    assert re.search(r"T=2 n=4 D=8 f32 +v41_boundary_fwd +boundary_fwd ", table)  # V4.1 against V4
+    assert re.search(r"in turns.*\n.*\nT=2 n=4 D=8 f32 +v41_boundary_fwd +boundary_fwd ", table)  # V4.1 vs V4
     rows = json.loads(path.read_text())["decode"]["rows"]
     assert [(r["tokens"], r["op"]) for r in rows] == [(2, op) for op in ops]
     assert set(ops) <= set(bench.DECODE_OPS) and "head_fwd" not in bench.DECODE_OPS
+    (v41,) = [r for r in rows if "v41_over_v4" in r]
+    assert v41["op"] == "v41_boundary_fwd" and v41["v4_op"] == "boundary_fwd" and v41["v41_over_v4"] > 0
     assert all(r["kernel_ms"] > 0 and r["minimum_bytes"] > 0 for r in rows)
     # One setting only: the allocator left alone, no tuned columns.
     assert not tune_calls and "tuned" not in table and all("kernel_tuned_ms" not in r for r in rows)

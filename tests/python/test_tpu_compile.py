@@ -1,5 +1,5 @@
-"""Compile-only for real chips (issue: TPU backend): the post kernels, forward and backward, at a
-steady-state shape (n = 4, D = 2048, T = 4096, bf16) through libtpu's compile-only topologies for
+"""Compile-only for real chips (issue: TPU backend): the post kernels and V4.1's collapse, forward
+and backward, at a steady-state shape (n = 4, D = 2048, T = 4096, bf16) through libtpu's compile-only topologies for
 v5e and v6e, by scripts/tpu_compile.py. Mosaic's compiler and XLA:TPU must accept them, fit the
 chip's VMEM (an overuse is a compile error) and put no relayout copy of x around them. Nothing
 runs on a chip. The pre, boundary and head kernels take minutes each to compile on 2 cores:
@@ -20,7 +20,8 @@ pytest.importorskip("libtpu", reason="libtpu (jax[tpu], requirements-dev.txt) co
 
 
 def test_post_kernels_compile_for_v5e_and_v6e_and_fit_vmem():
-    kernels = ["mhc_post_forward", "mhc_post_backward"]
+    # With DeepSeek-V4.1's collapse, the post kernels' grid and plan (seconds to compile).
+    kernels = ["mhc_post_forward", "mhc_post_backward", "mhc_collapse_forward", "mhc_collapse_backward"]
     command = [sys.executable, str(SCRIPT), "--chips", *CHIP_VMEM_MIB, "--d", "2048", "--kernels", *kernels]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
