@@ -51,20 +51,6 @@ MHC_CLONES double dot(const float* a, const float* b, int64_t count) {
   return simd::sum8(&lanes) + tail;
 }
 
-MHC_CLONES double sum_squares(const float* x, int64_t count) {
-  Wide8 lanes = {};
-  int64_t k = 0;
-  for (; k + kLanes <= count; k += kLanes) {
-    simd::Lanes8 v;
-    simd::load(&v, x + k);
-    const Wide8 w = __builtin_convertvector(v, Wide8);
-    lanes += w * w;
-  }
-  double tail = 0.0;
-  for (; k < count; ++k) tail += static_cast<double>(x[k]) * x[k];
-  return simd::sum8(&lanes) + tail;
-}
-
 namespace {
 
 inline float scalar(float v) { return v; }

@@ -16,11 +16,11 @@ void widen(const bf16* src, float* dst, int64_t count);
 void narrow(const float* src, bf16* dst, int64_t count);
 
 // Accumulate in double and return double: dot products feed dh_pre, dh_post and dh_res, whose
-// per-token sums of signed terms can cancel far below the size of the terms, and the sum of
-// squares sets r, which scales every logit of the token (f32 lanes left ~eps*sqrt(M/8) in r, and
-// dalpha, a cancelling sum over tokens of da*Z, magnified it past 1e-5).
+// per-token sums of signed terms can cancel far below the size of the terms. (The sum of squares,
+// which sets r, is taken in the projection's sweep: f32 per block of 128 rows, the blocks added in
+// double, projection.h; f32 lanes over the whole row left ~eps*sqrt(M/8) in r, which dalpha, a
+// cancelling sum over tokens of da*Z, magnified past 1e-5.)
 double dot(const float* a, const float* b, int64_t count);
-double sum_squares(const float* x, int64_t count);
 void axpy(float a, const float* x, float* y, int64_t count);  // y += a*x
 
 // The pre backward's per-element terms of dx in one pass: out[k] = (partial[k] + h_pre * dli[k])
