@@ -23,10 +23,11 @@
 // source that stages tiles says how many bytes per slot it needs (staging_bytes) and gets them
 // from that workspace (attach). Nothing a source stages outlives the call.
 //
-// Widening: a source hands out tiles in X. bf16 tiles are widened to f32 by the kernel into its
-// own per-slot staging (so the projection and the second sweep read f32 from cache), and dx is
-// accumulated in f32 and rounded to bf16 once, when stored into dx_tile. f32 tiles are used in
-// place.
+// Widening: a source hands out tiles in X. The forward reads a bf16 tile in place: its
+// projection widens a few blocks of rows at a time into an L1-sized piece (projection.h), and the
+// pre-apply widens in its loads. The backward widens the tile to f32 into its own per-slot
+// staging (its second sweep reads x three ways), and dx is accumulated in f32 and rounded to bf16
+// once, when stored into dx_tile. f32 tiles are used in place.
 //
 // The results never depend on the source: a staged tile holds exactly the bits the separate
 // operation would have stored to memory and read back, so the boundary equals the separate calls
