@@ -48,6 +48,13 @@ def random_numpy_params(rng: np.random.Generator, config: mj.Config, d: int) -> 
     )
 
 
+# Two f32 evaluations of the same function that XLA may fuse and round differently (a branch
+# recomputed under jax.checkpoint, a scan body, a vmapped gradient): each is within the spec's f32
+# bound of the exact value, so they are within it of each other up to a factor 2; the spec's bound
+# is used as it is (a tighter, made-up bound failed one seed in a few hundred).
+F32_REROUNDING_BOUND = 1e-5
+
+
 def relative_error(got, want) -> float:
     """||got - want|| / ||want|| in float64; NaN if anything is NaN (so it never passes)."""
     got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
