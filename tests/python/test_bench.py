@@ -136,8 +136,17 @@ def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys, t
 @pytest.mark.parametrize(
     "argv",
     [["--tokens", "0"], ["--repeats", "0"], ["--dtypes", "f16"], ["--decode-dims", "0"], ["--table", "x"]]
-    + [["--allocator", "glibc"]],
+    + [["--allocator", "glibc"], ["--touch-memory", "-1"]],
 )
 def test_bad_flags_are_rejected(argv):
     with pytest.raises(SystemExit):
         bench.main(argv)
+
+
+def test_touch_memory_writes_and_frees():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert bench.touch_memory(0.25) > 0
+    # Every page written: at least 0.25 GiB of 4 KiB pages faulted in (fewer with huge pages).
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before >= (1 << 28) // (2 << 20)
