@@ -99,6 +99,8 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys, tune_calls):
     for row in timed:
         assert row["kernel_ms"] > 0 and row["plain_ms"] > 0 and row["roofline_fraction"] > 0
         assert ("separate_ms" in row) == (row["op"] in bench.BOUNDARY_OPS), row
+        if "separate_ms" in row:  # timed in turns: the ratio is the median per-round one
+            assert row["fused_interleaved_ms"] > 0 and row["fused_speedup"] > 0
         assert row["kernel_tuned_ms"] > 0 and row["plain_tuned_ms"] > 0
     assert "two kernel calls" in table
     memory = [r for r in result["rows"] if r["op"] == "memory_fwd_bwd"]
