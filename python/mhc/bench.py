@@ -745,8 +745,7 @@ def main(argv=None) -> int:
         type=float,
         default=0.0,
         metavar="GIB",
-        help="first write and free this many GiB (a freshly booted VM pays for first touches; "
-        "see touch_memory)",
+        help="first write and free this many GiB (a freshly booted VM pays for first touches; see touch_memory)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--_probe", help=argparse.SUPPRESS)
