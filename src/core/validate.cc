@@ -245,17 +245,10 @@ void pre_backward_finish_arguments(ArgumentChecker& check, const TensorRef& dlay
                                    const TensorRef& x, const TensorRef& partials,
                                    const Params& params, const MutableTensorRef& dx,
                                    const ParamGrads& grads) {
-  check.tokens("x", x);
+  pre_backward_arguments(check, dlayer_in, dx_partial, dh_post, dh_res, x, params, dx, grads);
   const Dims& d = check.dims();
-  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
-  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
   check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
-  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
-  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
   check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
-  check.params(params);
-  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
-  check.grads(grads);
 }
 
 void boundary_forward_arguments(ArgumentChecker& check, const TensorRef& x,
