@@ -317,8 +317,8 @@ MUTATIONS = (
         (
             Edit(
                 "python/mhc/jax/_kernels.py",
-                "_zero_padded_rows(\n            plan.valid_tokens(lead), *next_cotangents,",
-                "_zero_padded_rows(\n            None, *next_cotangents,",
+                "_zero_padded_rows(plan.valid_tokens(lead), *next_cotangents, x,",
+                "_zero_padded_rows(None, *next_cotangents, x,",
             ),
         ),
         python=True,
