@@ -250,9 +250,7 @@ struct BackwardRun {
       const int64_t width = std::min(kWeightGradBlock, M - m0);
       weight_grad_sums(xf, s.dP, tokens, M, N, m0, S);
       if (plan.direct) {
-        double* totals = work.block_totals + worker * N * kWeightGradBlock;
-        for (int64_t e = 0; e < N * width; ++e) totals[e] = static_cast<double>(S[e]);
-        finish_weight_block(totals, width, N, m0, weights.norm_weight, weights.phi, grads.phi,
+        finish_weight_block(S, width, N, m0, weights.norm_weight, weights.phi, grads.phi,
                             grads.norm_weight);
       } else {
         double* block = work.G + chunk * N * M + m0 * N;

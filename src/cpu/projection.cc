@@ -284,6 +284,11 @@ MHC_INLINE void weight_grad_columns(const float* packed, const float* dP, int64_
   for (; c + kRows <= N; c += kRows) {
     weight_grad_block<V, kRows, VB>(packed, dP, N, tokens, c, width, j, S);
   }
+  // The rest four rows at a time where it can (the head's N = 4 with 16 lanes): each row alone
+  // would load the tile's x again.
+  if constexpr (kRows > 4) {
+    for (; c + 4 <= N; c += 4) weight_grad_block<V, 4, VB>(packed, dP, N, tokens, c, width, j, S);
+  }
   for (; c < N; ++c) weight_grad_block<V, 1, VB>(packed, dP, N, tokens, c, width, j, S);
 }
 

@@ -16,9 +16,20 @@ using simd::kLanes;
 using simd::Lanes8;
 using simd::Wide8;
 
-MHC_CLONES void finish_weight_block(const double* total, int64_t width, int64_t N, int64_t m0,
-                                    const float* norm_weight, const float* phi, float* dphi,
-                                    float* dnorm_weight) {
+namespace {
+
+// Eight totals from p as double lanes: loaded, or widened exactly from f32.
+MHC_INLINE void load_totals(Wide8* v, const double* p) { simd::load(v, p); }
+MHC_INLINE void load_totals(Wide8* v, const float* p) {
+  Lanes8 narrow;
+  simd::load(&narrow, p);
+  simd::widen(&narrow, v);
+}
+
+template <class Total>
+MHC_INLINE void finish_any(const Total* total, int64_t width, int64_t N, int64_t m0,
+                           const float* norm_weight, const float* phi, float* dphi,
+                           float* dnorm_weight) {
   int64_t j = 0;
   if (N >= kLanes) {
     // 8 rows at a time, one per lane: blocks of 8 columns c of phi transposed in registers, so each
@@ -38,7 +49,7 @@ MHC_CLONES void finish_weight_block(const double* total, int64_t width, int64_t 
         simd::transpose8(phis);  // phis[k] = column start + k of the 8 rows
         for (int64_t k = 0; k < 8; ++k) {
           Wide8 totals;
-          simd::load(&totals, total + (start + k) * width + j);
+          load_totals(&totals, total + (start + k) * width + j);
           // Columns before c0 belong to the block before (the last block overlaps it); their
           // dphi is recomputed to the same values.
           if (k >= c0 - start) {
@@ -59,12 +70,26 @@ MHC_CLONES void finish_weight_block(const double* total, int64_t width, int64_t 
     const int64_t m = m0 + j;
     double through = 0.0;
     for (int64_t c = 0; c < N; ++c) {
-      const double g = total[c * width + j];
+      const double g = static_cast<double>(total[c * width + j]);
       dphi[m * N + c] = static_cast<float>(norm_weight[m] * g);
       through += phi[m * N + c] * g;
     }
     dnorm_weight[m] = static_cast<float>(through);
   }
+}
+
+}  // namespace
+
+MHC_CLONES void finish_weight_block(const double* total, int64_t width, int64_t N, int64_t m0,
+                                    const float* norm_weight, const float* phi, float* dphi,
+                                    float* dnorm_weight) {
+  finish_any(total, width, N, m0, norm_weight, phi, dphi, dnorm_weight);
+}
+
+MHC_CLONES void finish_weight_block(const float* total, int64_t width, int64_t N, int64_t m0,
+                                    const float* norm_weight, const float* phi, float* dphi,
+                                    float* dnorm_weight) {
+  finish_any(total, width, N, m0, norm_weight, phi, dphi, dnorm_weight);
 }
 
 }  // namespace mhc::cpu

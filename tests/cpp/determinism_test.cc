@@ -128,6 +128,28 @@ INSTANTIATE_TEST_SUITE_P(FewTokens, DecodeDeterminism,
                                           testing::Values(int64_t{1}, int64_t{8}, int64_t{70}),
                                           testing::Values(DType::f32, DType::bf16)));
 
+// Many tiles per gradient chunk: at T = 16384, n = 2, D = 8 (256 tiles of 64 tokens, 16 chunks
+// of 16) each chunk adds 16 tiles' f32 weight-gradient sums into its double accumulator, in tile
+// order on one worker; chunk boundaries come from the shapes only, so the bits do not depend on
+// the thread count (the T = 2000 case above has two tiles per chunk).
+TEST(LongDeterminism, ManyTilesPerChunkSameBitsForAnyThreadCount) {
+  Config config;
+  config.n = 2;
+  config.dim = 8;
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const uint64_t seed = fresh_seed();
+    set_num_threads(1);
+    const Outputs one = run_all(config, 16384, dtype, seed);
+    for (int threads : {2, 3}) {
+      set_num_threads(threads);
+      EXPECT_TRUE(run_all(config, 16384, dtype, seed) == one)
+          << "1 vs " << threads << " threads differ: " << to_string(dtype) << " (seed " << seed
+          << ")";
+    }
+  }
+  set_num_threads(0);
+}
+
 // Resizing the pool between calls with jobs of many and of few tiles: new workers must not join a
 // job they were not counted in (a stale-generation race once let them run tasks of the next job
 // under a worker index beyond its scratch). Results must stay identical throughout.

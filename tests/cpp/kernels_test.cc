@@ -362,5 +362,58 @@ TEST(KernelsVsReferenceWidths, BoundarySizes) {
   }
 }
 
+// Parameter gradients summed over many tokens: at T = 16384 (256 tiles of 64 tokens, 16 chunks of
+// 16 tiles) the CPU kernel sums each tile's weight gradient in f32 and adds the tiles in double
+// (pre_backward.cc). x has a mean (0.5, the hard case: partial sums that grow with the tokens);
+// n = 2, D = 8 keep the float64 reference cheap.
+TEST(KernelsVsReferenceLongSums, PreBackwardParameterGradients) {
+  if (!backend().available()) GTEST_SKIP() << "no device for the " << backend().name << " backend";
+  Config config;
+  config.n = 2;
+  config.dim = 8;
+  const int64_t T = 16384, n = config.n, D = config.dim;
+  const uint64_t seed = fresh_seed();
+  std::mt19937_64 rng(seed);
+  const reference::Params params = random_params(rng, config);
+  Vec x_values = random_normal(rng, T * n * D);
+  for (double& v : x_values) v += 0.5;
+  HostTensor x = HostTensor::from(DType::f32, {T, n, D}, x_values);
+  HostTensor dli = HostTensor::from(DType::f32, {T, D}, random_normal(rng, T * D));
+  HostTensor dxp = HostTensor::from(DType::f32, {T, n, D}, random_normal(rng, T * n * D));
+  HostTensor dhp = HostTensor::from(DType::f32, {T, n}, random_normal(rng, T * n));
+  HostTensor dhr = HostTensor::from(DType::f32, {T, n, n}, random_normal(rng, T * n * n));
+  HostParams host_params(config, params);
+  HostTensor dx(DType::f32, {T, n, D});
+  HostGrads grads(config);
+  dx.poison();
+  grads.poison();
+  backend().pre_backward(config, dli.ref(), dxp.ref(), dhp.ref(), dhr.ref(), x.ref(),
+                         host_params.view(), dx.mut(), grads.view());
+  const reference::PreBackward want =
+      reference::pre_backward(config, dli.to_double(), dxp.to_double(), dhp.to_double(),
+                              dhr.to_double(), x.to_double(), params);
+  auto moved = [&] {
+    return reference::pre_backward(
+        config, perturb_f32(rng, dli.to_double()), perturb_f32(rng, dxp.to_double()),
+        perturb_f32(rng, dhp.to_double()), perturb_f32(rng, dhr.to_double()),
+        perturb_f32(rng, x.to_double()), perturb_f32(rng, params));
+  };
+  const std::string context = describe(config, T, DType::f32) + ", seed " + std::to_string(seed);
+  expect_matches(
+      "dphi", DType::f32, grads.phi.to_double(), want.grads.phi, [&] { return moved().grads.phi; },
+      context);
+  expect_matches(
+      "dnorm_weight", DType::f32, grads.norm_weight.to_double(), want.grads.norm_weight,
+      [&] { return moved().grads.norm_weight; }, context);
+  expect_matches(
+      "dalpha", DType::f32, grads.alpha.to_double(), want.grads.alpha,
+      [&] { return moved().grads.alpha; }, context);
+  expect_matches(
+      "dbias", DType::f32, grads.bias.to_double(), want.grads.bias,
+      [&] { return moved().grads.bias; }, context);
+  expect_matches(
+      "dx", DType::f32, dx.to_double(), want.dx, [&] { return moved().dx; }, context);
+}
+
 }  // namespace
 }  // namespace mhc::test
