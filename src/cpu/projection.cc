@@ -61,27 +61,37 @@ MHC_INLINE void project_block(const float* x, int64_t M, const float* W, int64_t
 
 // The same sums with W folded in registers from phi (row stride N) instead of from a folded
 // block: the product norm_weight[m] * phi[m, c] is the same f32 value either way. Column vector j
-// starts at starts[j]; a last vector that would pass N starts at N - L instead, and recomputes its
-// overlap with the one before to the same values.
-template <class V, int TB, int CB>
+// of V starts at starts[j], and with kTail an 8-lane vector follows at starts[CB]; a last vector
+// that would pass N starts earlier, and recomputes its overlap with the one before to the same
+// values (every column is the same FMAs in the same order, whatever vector it falls in).
+template <class V, int TB, int CB, bool kTail>
 MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* norm_weight,
                                      const float* phi, int64_t N, int64_t NP, int64_t rows,
                                      const int64_t* starts, float* sums) {
-  V acc[TB][CB] = {};
+  constexpr int kVectors = CB > 0 ? CB : 1;  // no zero-length arrays; unused when CB = 0
+  V acc[TB][kVectors] = {};
+  Lanes8 tail[TB] = {};
   for (int64_t m = 0; m < rows; ++m) {
     const float scale = norm_weight[m];
-    V w[CB];
+    V w[kVectors];
     for (int64_t j = 0; j < CB; ++j) {
       load(&w[j], phi + m * N + starts[j]);
       w[j] *= scale;
     }
+    Lanes8 w_tail{};
+    if constexpr (kTail) {
+      load(&w_tail, phi + m * N + starts[CB]);
+      w_tail *= scale;
+    }
     for (int64_t t = 0; t < TB; ++t) {
       const float xv = x[t * M + m];
       for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
+      if constexpr (kTail) tail[t] += xv * w_tail;
     }
   }
   for (int64_t t = 0; t < TB; ++t) {
     for (int64_t j = 0; j < CB; ++j) store(sums + t * NP + starts[j], &acc[t][j]);
+    if constexpr (kTail) store(sums + t * NP + starts[CB], &tail[t]);
   }
 }
 
@@ -90,6 +100,10 @@ MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* nor
 template <class V>
 inline constexpr int kProjectionVectors = kWidth<V> == 8 ? 3 : 2;
 
+// The register blocks of columns: kProjectionVectors<V> vectors at a time. With 16 lanes a last
+// block of at most 24 columns ends in an 8-lane vector (16 + 8, or 8 alone), not in a second
+// 16-lane one: N = 24 (n = 4) takes a quarter fewer lanes, and on CPUs that run a 16-lane FMA as
+// two 8-lane halves (AMD Zen 4) a quarter less time; elsewhere it is the same count of FMAs.
 template <class V, int TB>
 MHC_INLINE void project_tokens_direct(const float* x, int64_t M, const float* norm_weight,
                                       const float* phi, int64_t N, int64_t NP, int64_t rows,
@@ -98,19 +112,33 @@ MHC_INLINE void project_tokens_direct(const float* x, int64_t M, const float* no
   constexpr int kVectors = kProjectionVectors<V>;
   int64_t starts[kVectors];
   for (int64_t col = 0; col < N; col += kVectors * L) {
+    const int64_t rest = N - col;
+    if constexpr (L > kLanes) {
+      if (rest <= kLanes) {
+        starts[0] = N - kLanes;
+        project_block_direct<V, TB, 0, true>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+        continue;
+      }
+      if (rest > L && rest <= L + kLanes) {
+        starts[0] = col;
+        starts[1] = N - kLanes;
+        project_block_direct<V, TB, 1, true>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+        continue;
+      }
+    }
     int64_t count = 0;
     for (; count < kVectors && col + count * L < N; ++count) {
       starts[count] = std::min(col + count * L, N - L);
     }
     if constexpr (kVectors == 3) {
       if (count == 3) {
-        project_block_direct<V, TB, 3>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+        project_block_direct<V, TB, 3, false>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
       }
     }
     if (count == 2)
-      project_block_direct<V, TB, 2>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+      project_block_direct<V, TB, 2, false>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
     if (count == 1)
-      project_block_direct<V, TB, 1>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+      project_block_direct<V, TB, 1, false>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
   }
 }
 
@@ -334,12 +362,7 @@ bool wide_projection() {
   return wide;
 }
 
-int64_t padded_width(int64_t N) {
-  // N <= 8 (the head's N = n, small n): one 8-lane vector, not half-empty 16-lane rows, which the
-  // 8-lane kernels would sweep as two vectors (twice the multiply-adds for the same sums).
-  const int64_t lanes = wide_projection() && N > kLanes ? kLanes16 : kLanes;
-  return (N + lanes - 1) / lanes * lanes;
-}
+int64_t padded_width(int64_t N) { return (N + kLanes - 1) / kLanes * kLanes; }
 
 namespace {
 
@@ -585,8 +608,8 @@ void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w, int64
                     sums, squares);
 }
 
-void add_block_sums(const float* sums, const float* squares, int64_t blocks, int64_t tokens,
-                    int64_t NP, double* wide, double* wide_squares) {
+MHC_CLONES void add_block_sums(const float* sums, const float* squares, int64_t blocks,
+                               int64_t tokens, int64_t NP, double* wide, double* wide_squares) {
   const int64_t count = tokens * NP;
   for (int64_t b = 0; b < blocks; ++b) {
     const float* block = sums + b * count;
