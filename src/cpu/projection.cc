@@ -376,39 +376,102 @@ MHC_INLINE void load16(Lanes16* v, const float* p) {
   *v = *reinterpret_cast<const simd::UnalignedLanes16*>(p);
 }
 
-// The 16 lanes' sum in one fixed order (halving: lane i + lane i + 8, then + 4, + 2, + 1).
-MHC_INLINE float sum16(const Lanes16* v) {
-  const Lanes16& a = *v;
-  float h8[8], h4[4];
-  for (int i = 0; i < 8; ++i) h8[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+// The 16 lanes' sums of K vectors (K <= 16), each in one fixed order: out[j] = ((h[0] + h[2]) +
+// (h[1] + h[3])) with h[i] = (v[j][i] + v[j][i + 8]) + (v[j][i + 4] + v[j][i + 12]), i.e. halving:
+// lane i + lane i + 8, then + 4, + 2, + 1. The adds of the 16 vectors' trees run side by side, a
+// round of shuffles and vector adds per level (four levels, 15 vector adds), where one vector's
+// sum alone took 15 scalar adds: the per-block sums were as many instructions as the narrow
+// projection's FMAs. Missing vectors (j >= K) are zeros, which never meet a present vector's lanes.
+template <int K>
+MHC_INLINE void sum16_each(const Lanes16* v, float* out) {
+  static_assert(K >= 1 && K <= 16, "at most 16 vectors");
+  if constexpr (K == 1) {  // one vector: the same tree in scalar adds, fewer instructions
+    const Lanes16& a = *v;
+    float h8[8], h4[4];
+    for (int i = 0; i < 8; ++i) h8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
+    out[0] = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+    return;
+  }
+  Lanes16 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = j < K ? v[j] : Lanes16{};
+  // Level 1: u[k] = [h8 of a[2k] | h8 of a[2k + 1]], h8[i] = lane i + lane i + 8.
+  Lanes16 u[8];
+  for (int k = 0; k < 8; ++k) {
+    const Lanes16 lo = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
+                                               17, 18, 19, 20, 21, 22, 23);
+    const Lanes16 hi = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                               24, 25, 26, 27, 28, 29, 30, 31);
+    u[k] = lo + hi;
+  }
+  // Level 2: w[k] = the h4 of vectors 4k .. 4k + 3, four lanes each, h4[i] = h8[i] + h8[i + 4].
+  Lanes16 w[4];
+  for (int k = 0; k < 4; ++k) {
+    const Lanes16 lo = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
+                                               17, 18, 19, 24, 25, 26, 27);
+    const Lanes16 hi = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15,
+                                               20, 21, 22, 23, 28, 29, 30, 31);
+    w[k] = lo + hi;
+  }
+  // Level 3: z[k] = (h4[0] + h4[2], h4[1] + h4[3]) of vectors 8k .. 8k + 7.
+  Lanes16 z[2];
+  for (int k = 0; k < 2; ++k) {
+    const Lanes16 lo = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
+                                               17, 20, 21, 24, 25, 28, 29);
+    const Lanes16 hi = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15,
+                                               18, 19, 22, 23, 26, 27, 30, 31);
+    z[k] = lo + hi;
+  }
+  // Level 4: the two halves of each pair.
+  const Lanes16 even = __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
+                                               22, 24, 26, 28, 30);
+  const Lanes16 odd = __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                              25, 27, 29, 31);
+  const Lanes16 sums = even + odd;
+  for (int j = 0; j < K; ++j) out[j] = sums[j];
 }
 
-// Each token's f32 sum of squares over one block of rows of x (rows <= kProjectionBlock): lane l
-// of 16 sums the rows l mod 16 in order, the lanes are added by sum16, then the scalar tail in
-// order. At most 8 positive terms per lane, so the block sum is within a few ulps; the blocks are
-// added in double as the projection's are. The narrow projection below computes the same sums
-// from the same loads.
-MHC_INLINE float block_squares(const float* x, int64_t rows) {
-  Lanes16 acc = {};
+// Each of G tokens' f32 sum of squares over one block of rows of x (rows <= kProjectionBlock,
+// token rows `stride` apart): lane l of 16 sums the rows l mod 16 in order, the lanes are added
+// by sum16_each, then the scalar tail in order. At most 8 positive terms per lane, so the block
+// sum is within a few ulps; the blocks are added in double as the projection's are. The narrow
+// projection below computes the same sums from the same loads.
+template <int G>
+MHC_INLINE void block_squares_group(const float* x, int64_t stride, int64_t rows, float* squares) {
+  Lanes16 acc[G] = {};
   int64_t m = 0;
   for (; m + kLanes16 <= rows; m += kLanes16) {
-    Lanes16 v;
-    load16(&v, x + m);
-    acc += v * v;
+    for (int g = 0; g < G; ++g) {
+      Lanes16 v;
+      load16(&v, x + g * stride + m);
+      acc[g] += v * v;
+    }
   }
-  float tail = 0.0f;
-  for (; m < rows; ++m) tail += x[m] * x[m];
-  return sum16(&acc) + tail;
+  float totals[G];
+  sum16_each<G>(acc, totals);
+  for (int g = 0; g < G; ++g) {
+    const float* xg = x + g * stride;
+    float tail = 0.0f;
+    for (int64_t r = m; r < rows; ++r) tail += xg[r] * xg[r];
+    squares[g] = totals[g] + tail;
+  }
+}
+
+// block_squares_group over `tokens` tokens, one at a time (four at a time saved nothing on the
+// AVX-512 path and cost the 8-lane one 3%: M = 16384, N = 24, 16 tokens in cache).
+MHC_INLINE void block_squares(const float* x, int64_t stride, int64_t tokens, int64_t rows,
+                              float* squares) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    block_squares_group<1>(x + t * stride, stride, rows, squares + t);
+  }
 }
 
 // The projection of a narrow W (N <= 8: the head's N = n, and small n) as dot products along the
 // rows: lanes over m, one accumulator per token and column, so no lane is padding. TB tokens from
 // x (rows `stride` apart) over one block of `rows` rows of Wt, the block of W transposed and
-// folded ([N][kProjectionBlock]). The block sum of column c is sum16 of its lanes (lane l summing
-// the rows l mod 16 in order) plus the scalar tail, the same whatever TB or the instance; each
-// token's sum of squares comes from the same loads, as block_squares computes it.
+// folded ([N][kProjectionBlock]). The block sum of column c is the halving sum of its lanes (lane l
+// summing the rows l mod 16 in order) plus the scalar tail, the same whatever TB or the instance;
+// each token's sum of squares comes from the same loads, as block_squares computes it.
 template <int TB, int NC>
 MHC_INLINE void project_narrow_tokens(const float* x, int64_t stride, const float* Wt, int64_t NP,
                                       int64_t rows, float* sums, float* squares) {
@@ -427,15 +490,18 @@ MHC_INLINE void project_narrow_tokens(const float* x, int64_t stride, const floa
       for (int t = 0; t < TB; ++t) acc[t][c] += xv[t] * w;
     }
   }
+  float totals[TB * NC], square_totals[TB];
+  sum16_each<TB * NC>(&acc[0][0], totals);
+  sum16_each<TB>(sq, square_totals);
   for (int t = 0; t < TB; ++t) {
     const float* xt = x + t * stride;
     float tail = 0.0f;
     for (int64_t r = m; r < rows; ++r) tail += xt[r] * xt[r];
-    squares[t] = sum16(&sq[t]) + tail;
+    squares[t] = square_totals[t] + tail;
     for (int c = 0; c < NC; ++c) {
       float column_tail = 0.0f;
       for (int64_t r = m; r < rows; ++r) column_tail += xt[r] * Wt[c * kProjectionBlock + r];
-      sums[t * NP + c] = sum16(&acc[t][c]) + column_tail;
+      sums[t * NP + c] = totals[t * NC + c] + column_tail;
     }
   }
 }
@@ -518,7 +584,7 @@ MHC_CLONES void project_blocks_at(const float* x, int64_t stride, int64_t tokens
       }
       continue;
     }
-    for (int64_t t = 0; t < tokens; ++t) block_sq[t] = block_squares(xb + t * stride, rows);
+    block_squares(xb, stride, tokens, rows, block_sq);
     if (N >= kLanes16 && wide_projection()) {
       project_block_avx512(xb, tokens, stride, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows,
                            out);
