@@ -8,7 +8,8 @@
 // reports fraction_of_copy = its GB/s / the multi-threaded memcpy GB/s.
 //
 // Cases: T = 4096 tokens, n = 4 streams, D in {1024, 4096}, activations f32 or bf16, Sinkhorn
-// mixing, plus permutation mixing for pre_forward and pre_backward at D = 1024 f32.
+// mixing, plus permutation mixing for pre_forward and pre_backward at D = 1024 f32. The
+// coefficients/ rows time the per-token coefficient math alone (no activations).
 // Inputs are random (fixed seed) with alpha = {1, 1, 1} and a random bias so that the
 // coefficients are non-trivial; h_pre/h_post/h_res, dx_partial etc. come from running the
 // sublayer once in setup. One case's buffers (at most ~1.6 GiB, at D = 4096 f32) are alive at a
@@ -27,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "../src/cpu/coefficients.h"
 #include "mhc/config.h"
 #include "mhc/ops.h"
 #include "mhc/roofline.h"
@@ -497,6 +499,47 @@ void BM_memcpy(benchmark::State& state, int threads) {
   }
 }
 
+// The per-token coefficient math alone (src/cpu/coefficients.h, one thread): forward (the gates
+// and H_res from P) or forward then backward (as pre_backward runs them), n = 4, Sinkhorn with the
+// default 20 iterations or permutations. 1024 tokens of random P with order-one logits per
+// iteration; per_token is the CPU time per token.
+void BM_coefficients(benchmark::State& state, mhc::Mix mix, bool with_backward) {
+  mhc::Config config;
+  config.n = kStreams;
+  config.mix = mix;
+  const int64_t n = config.n, N = mhc::projection_width(config), tokens = 1024;
+  std::mt19937_64 rng(11);
+  std::normal_distribution<float> normal;
+  auto draw = [&](int64_t count) {
+    std::vector<float> v(static_cast<size_t>(count));
+    for (float& e : v) e = normal(rng);
+    return v;
+  };
+  const std::vector<float> P = draw(tokens * N), bias = draw(N), dh_post = draw(tokens * n),
+                           dh_res = draw(tokens * n * n), alpha = {1.0f, 1.0f, 1.0f};
+  std::vector<double> dh_pre(static_cast<size_t>(tokens * n));
+  for (double& e : dh_pre) e = normal(rng);
+  mhc::cpu::TokenCoefficients coefficients(config, alpha.data(), bias.data());
+  std::vector<float> h(static_cast<size_t>(2 * n + n * n)), dP(static_cast<size_t>(N));
+  std::vector<double> sums(static_cast<size_t>(N + 3));
+  const double r = 1.0;
+  for (auto _ : state) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      coefficients.forward(&P[t * N], r, h.data(), h.data() + n, h.data() + 2 * n);
+      benchmark::DoNotOptimize(h.data());
+      if (!with_backward) continue;
+      double dr = 0.0;
+      coefficients.backward(&P[t * N], r, &dh_pre[t * n], &dh_post[t * n], &dh_res[t * n * n],
+                            dP.data(), &dr, sums.data(), sums.data() + 3);
+      benchmark::DoNotOptimize(dP.data());
+      benchmark::DoNotOptimize(dr);
+    }
+  }
+  state.counters["per_token"] = benchmark::Counter(
+      static_cast<double>(tokens),
+      benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
 void register_all() {
   const int threads = mhc::num_threads();
   benchmark::RegisterBenchmark("memcpy/256MiB/single_thread", BM_memcpy, 1)
@@ -547,6 +590,16 @@ void register_all() {
       benchmark::RegisterBenchmark(name.c_str(), BM_op, op, c)
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
+    }
+  }
+
+  for (mhc::Mix mix : {mhc::Mix::sinkhorn, mhc::Mix::permutations}) {
+    for (bool with_backward : {false, true}) {
+      const std::string name = std::string("coefficients/") +
+                               (with_backward ? "forward_backward/" : "forward/") +
+                               mhc::to_string(mix) + "/n:4";
+      benchmark::RegisterBenchmark(name.c_str(), BM_coefficients, mix, with_backward)
+          ->Unit(benchmark::kMicrosecond);
     }
   }
 

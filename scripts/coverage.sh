@@ -12,4 +12,7 @@ echo "== Python coverage (coverage.py over tests/python)"
 rm -f .coverage .coverage.*
 # One pytest worker per core (pytest-xdist): much of the suite's time is JAX tracing and XLA
 # compilation on one thread, which a second worker overlaps (docs/performance.md, "CI time").
-.venv/bin/python -m pytest -q -n "$jobs" tests/python --cov --cov-report=term-missing --cov-fail-under="$min"
+# --durations: the slowest tests of every run, where the next CI-time saving is found
+# (docs/testing.md, "CI time").
+.venv/bin/python -m pytest -q -n "$jobs" tests/python --durations=30 --cov --cov-report=term-missing \
+  --cov-fail-under="$min"

@@ -201,13 +201,95 @@ void ArgumentChecker::finish() const {
   }
 }
 
+namespace {
+// The argument checks of V4's operations that have a V4.1 form, between the checker's whole_dim
+// (the fused operations) and finish(): the V4 checker runs them alone, the V4.1 one
+// (DeepSeek-V4.1's carried mix, mhc/ops.h) then checks its own operands before finish(), so that
+// they too are checked for overlaps.
+void pre_forward_arguments(ArgumentChecker& check, const TensorRef& x, const Params& params,
+                           const PreForwardOutputs& outputs) {
+  check.tokens("x", x);
+  check.params(params);
+  check.pre_forward_outputs(outputs, x.dtype);
+}
+
+void pre_backward_arguments(ArgumentChecker& check, const TensorRef& dlayer_in,
+                            const TensorRef& dx_partial, const TensorRef& dh_post,
+                            const TensorRef& dh_res, const TensorRef& x, const Params& params,
+                            const MutableTensorRef& dx, const ParamGrads& grads) {
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.params(params);
+  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
+  check.grads(grads);
+}
+
+void pre_forward_finish_arguments(ArgumentChecker& check, const TensorRef& x,
+                                  const TensorRef& partials, const TensorRef& alpha,
+                                  const TensorRef& bias, const PreForwardOutputs& outputs) {
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+  check.tensor("alpha", alpha, {3}, DType::f32);
+  check.tensor("bias", bias, {d.N}, DType::f32);
+  check.pre_forward_outputs(outputs, x.dtype);
+}
+
+void pre_backward_finish_arguments(ArgumentChecker& check, const TensorRef& dlayer_in,
+                                   const TensorRef& dx_partial, const TensorRef& dh_pre,
+                                   const TensorRef& dh_post, const TensorRef& dh_res,
+                                   const TensorRef& x, const TensorRef& partials,
+                                   const Params& params, const MutableTensorRef& dx,
+                                   const ParamGrads& grads) {
+  pre_backward_arguments(check, dlayer_in, dx_partial, dh_post, dh_res, x, params, dx, grads);
+  const Dims& d = check.dims();
+  check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
+  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+}
+
+void boundary_forward_arguments(ArgumentChecker& check, const TensorRef& x,
+                                const TensorRef& layer_out, const TensorRef& h_post,
+                                const TensorRef& h_res, const Params& next_params,
+                                const MutableTensorRef& x_next, const PreForwardOutputs& next) {
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.post_inputs(layer_out, h_post, h_res);
+  check.params(next_params, "next_params");
+  check.output("x_next", x_next, {d.T, d.n, d.D}, x.dtype);
+  check.pre_forward_outputs(next, x.dtype, "next.");
+}
+
+void boundary_backward_arguments(ArgumentChecker& check, const TensorRef& next_dlayer_in,
+                                 const TensorRef& next_dx_partial, const TensorRef& next_dh_post,
+                                 const TensorRef& next_dh_res, const TensorRef& x,
+                                 const TensorRef& layer_out, const TensorRef& h_post,
+                                 const TensorRef& h_res, const Params& next_params,
+                                 const PostBackwardOutputs& outputs, const ParamGrads& next_grads) {
+  check.tokens("x", x);
+  const Dims& d = check.dims();
+  check.tensor("next_dlayer_in", next_dlayer_in, {d.T, d.D}, x.dtype);
+  check.tensor("next_dx_partial", next_dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.tensor("next_dh_post", next_dh_post, {d.T, d.n}, DType::f32);
+  check.tensor("next_dh_res", next_dh_res, {d.T, d.n, d.n}, DType::f32);
+  const DType lo_dtype = check.post_inputs(layer_out, h_post, h_res);
+  check.params(next_params, "next_params");
+  check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
+  check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);
+  check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
+  check.output("dh_res", outputs.dh_res, {d.T, d.n, d.n}, DType::f32);
+  check.grads(next_grads, "next_grads");
+}
+}  // namespace
+
 Dims check_pre_forward(const char* op, const Config& config, const TensorRef& x,
                        const Params& params, const PreForwardOutputs& outputs) {
   ArgumentChecker check(op, config);
   check.whole_dim("pre_forward_partials and pre_forward_finish");
-  check.tokens("x", x);
-  check.params(params);
-  check.pre_forward_outputs(outputs, x.dtype);
+  pre_forward_arguments(check, x, params, outputs);
   check.finish();
   return check.dims();
 }
@@ -246,15 +328,7 @@ Dims check_pre_backward(const char* op, const Config& config, const TensorRef& d
                         const MutableTensorRef& dx, const ParamGrads& grads) {
   ArgumentChecker check(op, config);
   check.whole_dim("pre_backward_partials and pre_backward_finish");
-  check.tokens("x", x);
-  const Dims& d = check.dims();
-  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
-  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
-  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
-  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
-  check.params(params);
-  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
-  check.grads(grads);
+  pre_backward_arguments(check, dlayer_in, dx_partial, dh_post, dh_res, x, params, dx, grads);
   check.finish();
   return check.dims();
 }
@@ -276,12 +350,7 @@ Dims check_pre_forward_finish(const char* op, const Config& config, const Tensor
                               const TensorRef& partials, const TensorRef& alpha,
                               const TensorRef& bias, const PreForwardOutputs& outputs) {
   ArgumentChecker check(op, config);
-  check.tokens("x", x);
-  const Dims& d = check.dims();
-  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
-  check.tensor("alpha", alpha, {3}, DType::f32);
-  check.tensor("bias", bias, {d.N}, DType::f32);
-  check.pre_forward_outputs(outputs, x.dtype);
+  pre_forward_finish_arguments(check, x, partials, alpha, bias, outputs);
   check.finish();
   return check.dims();
 }
@@ -303,17 +372,8 @@ Dims check_pre_backward_finish(const char* op, const Config& config, const Tenso
                                const TensorRef& x, const TensorRef& partials, const Params& params,
                                const MutableTensorRef& dx, const ParamGrads& grads) {
   ArgumentChecker check(op, config);
-  check.tokens("x", x);
-  const Dims& d = check.dims();
-  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
-  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
-  check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
-  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
-  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
-  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
-  check.params(params);
-  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
-  check.grads(grads);
+  pre_backward_finish_arguments(check, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials,
+                                params, dx, grads);
   check.finish();
   return check.dims();
 }
@@ -324,12 +384,7 @@ Dims check_boundary_forward(const char* op, const Config& config, const TensorRe
                             const MutableTensorRef& x_next, const PreForwardOutputs& next) {
   ArgumentChecker check(op, config);
   check.whole_dim("post_forward, then pre_forward_partials and pre_forward_finish");
-  check.tokens("x", x);
-  const Dims& d = check.dims();
-  check.post_inputs(layer_out, h_post, h_res);
-  check.params(next_params, "next_params");
-  check.output("x_next", x_next, {d.T, d.n, d.D}, x.dtype);
-  check.pre_forward_outputs(next, x.dtype, "next.");
+  boundary_forward_arguments(check, x, layer_out, h_post, h_res, next_params, x_next, next);
   check.finish();
   return check.dims();
 }
@@ -342,19 +397,8 @@ Dims check_boundary_backward(const char* op, const Config& config, const TensorR
                              const PostBackwardOutputs& outputs, const ParamGrads& next_grads) {
   ArgumentChecker check(op, config);
   check.whole_dim("pre_backward_partials and pre_backward_finish, then post_backward");
-  check.tokens("x", x);
-  const Dims& d = check.dims();
-  check.tensor("next_dlayer_in", next_dlayer_in, {d.T, d.D}, x.dtype);
-  check.tensor("next_dx_partial", next_dx_partial, {d.T, d.n, d.D}, x.dtype);
-  check.tensor("next_dh_post", next_dh_post, {d.T, d.n}, DType::f32);
-  check.tensor("next_dh_res", next_dh_res, {d.T, d.n, d.n}, DType::f32);
-  const DType lo_dtype = check.post_inputs(layer_out, h_post, h_res);
-  check.params(next_params, "next_params");
-  check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
-  check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);
-  check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
-  check.output("dh_res", outputs.dh_res, {d.T, d.n, d.n}, DType::f32);
-  check.grads(next_grads, "next_grads");
+  boundary_backward_arguments(check, next_dlayer_in, next_dx_partial, next_dh_post, next_dh_res, x,
+                              layer_out, h_post, h_res, next_params, outputs, next_grads);
   check.finish();
   return check.dims();
 }
@@ -395,10 +439,8 @@ Dims check_pre_forward_carried(const char* op, const Config& config, const Tenso
                                const PreForwardOutputs& outputs) {
   ArgumentChecker check(op, config);
   check.whole_dim("pre_forward_partials and pre_forward_finish_carried");
-  check.tokens("x", x);
+  pre_forward_arguments(check, x, params, outputs);
   check.carried("carried", carried);
-  check.params(params);
-  check.pre_forward_outputs(outputs, x.dtype);
   check.finish();
   return check.dims();
 }
@@ -411,18 +453,10 @@ Dims check_pre_backward_carried(const char* op, const Config& config, const Tens
                                 const ParamGrads& grads) {
   ArgumentChecker check(op, config);
   check.whole_dim("pre_backward_partials and pre_backward_finish_carried");
-  check.tokens("x", x);
+  pre_backward_arguments(check, dlayer_in, dx_partial, dh_post, dh_res, x, params, dx, grads);
   const Dims& d = check.dims();
-  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
-  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
   check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
-  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
-  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
-  const bool present = check.carried("carried", carried);
-  check.params(params);
-  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
-  check.dcarried("dcarried", dcarried, present);
-  check.grads(grads);
+  check.dcarried("dcarried", dcarried, check.carried("carried", carried));
   check.finish();
   return check.dims();
 }
@@ -459,13 +493,9 @@ Dims check_boundary_forward_carried(const char* op, const Config& config, const 
                                     const PreForwardOutputs& next) {
   ArgumentChecker check(op, config);
   check.whole_dim("post_forward, then pre_forward_partials and pre_forward_finish_carried");
-  check.tokens("x", x);
+  boundary_forward_arguments(check, x, layer_out, h_post, h_res, next_params, x_next, next);
   const Dims& d = check.dims();
-  check.post_inputs(layer_out, h_post, h_res);
   check.tensor("h_pre", h_pre, {d.T, d.n}, DType::f32);
-  check.params(next_params, "next_params");
-  check.output("x_next", x_next, {d.T, d.n, d.D}, x.dtype);
-  check.pre_forward_outputs(next, x.dtype, "next.");
   check.finish();
   return check.dims();
 }
@@ -481,22 +511,12 @@ Dims check_boundary_backward_carried(const char* op, const Config& config,
                                      const MutableTensorRef& dh_pre, const ParamGrads& next_grads) {
   ArgumentChecker check(op, config);
   check.whole_dim("pre_backward_partials and pre_backward_finish_carried, then post_backward");
-  check.tokens("x", x);
+  boundary_backward_arguments(check, next_dlayer_in, next_dx_partial, next_dh_post, next_dh_res, x,
+                              layer_out, h_post, h_res, next_params, outputs, next_grads);
   const Dims& d = check.dims();
-  check.tensor("next_dlayer_in", next_dlayer_in, {d.T, d.D}, x.dtype);
-  check.tensor("next_dx_partial", next_dx_partial, {d.T, d.n, d.D}, x.dtype);
   check.tensor("next_dh_pre", next_dh_pre, {d.T, d.n}, DType::f32);
-  check.tensor("next_dh_post", next_dh_post, {d.T, d.n}, DType::f32);
-  check.tensor("next_dh_res", next_dh_res, {d.T, d.n, d.n}, DType::f32);
-  const DType lo_dtype = check.post_inputs(layer_out, h_post, h_res);
   check.tensor("h_pre", h_pre, {d.T, d.n}, DType::f32);
-  check.params(next_params, "next_params");
-  check.output("dx_partial", outputs.dx_partial, {d.T, d.n, d.D}, x.dtype);
-  check.output("dlayer_out", outputs.dlayer_out, {d.T, d.D}, lo_dtype);
-  check.output("dh_post", outputs.dh_post, {d.T, d.n}, DType::f32);
-  check.output("dh_res", outputs.dh_res, {d.T, d.n, d.n}, DType::f32);
   check.output("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
-  check.grads(next_grads, "next_grads");
   check.finish();
   return check.dims();
 }
@@ -506,13 +526,8 @@ Dims check_pre_forward_finish_carried(const char* op, const Config& config, cons
                                       const TensorRef& alpha, const TensorRef& bias,
                                       const PreForwardOutputs& outputs) {
   ArgumentChecker check(op, config);
-  check.tokens("x", x);
-  const Dims& d = check.dims();
-  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+  pre_forward_finish_arguments(check, x, partials, alpha, bias, outputs);
   check.carried("carried", carried);
-  check.tensor("alpha", alpha, {3}, DType::f32);
-  check.tensor("bias", bias, {d.N}, DType::f32);
-  check.pre_forward_outputs(outputs, x.dtype);
   check.finish();
   return check.dims();
 }
@@ -525,18 +540,9 @@ Dims check_pre_backward_finish_carried(const char* op, const Config& config,
                                        const Params& params, const MutableTensorRef& dx,
                                        const ParamGrads& grads) {
   ArgumentChecker check(op, config);
-  check.tokens("x", x);
-  const Dims& d = check.dims();
-  check.tensor("dlayer_in", dlayer_in, {d.T, d.D}, x.dtype);
-  check.tensor("dx_partial", dx_partial, {d.T, d.n, d.D}, x.dtype);
-  check.tensor("dh_pre", dh_pre, {d.T, d.n}, DType::f32);
-  check.tensor("dh_post", dh_post, {d.T, d.n}, DType::f32);
-  check.tensor("dh_res", dh_res, {d.T, d.n, d.n}, DType::f32);
-  check.tensor("partials", partials, {d.T, d.N + 1}, DType::f32);
+  pre_backward_finish_arguments(check, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials,
+                                params, dx, grads);
   check.carried("carried", carried);
-  check.params(params);
-  check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
-  check.grads(grads);
   check.finish();
   return check.dims();
 }

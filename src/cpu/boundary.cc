@@ -108,54 +108,12 @@ class PostBackwardTiles final : public TileSource<X> {
   int64_t tile_ = 0;
 };
 
-}  // namespace
-
-void boundary_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
-                      const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
-                      const Params& next_params, const MutableTensorRef& x_next,
-                      const PreForwardOutputs& next) {
-  with_activation_types(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
-    using X = decltype(x_tag);
-    using L = decltype(lo_tag);
-    PostForwardTiles<X, L> source(post_inputs<X, L>(dims, x, layer_out, h_post, h_res),
-                                  static_cast<X*>(x_next.data));
-    pre_forward_tiles<X>(
-        config, dims, pre_weights(next_params), nullptr, source,
-        {static_cast<X*>(next.layer_in.data), static_cast<float*>(next.h_pre.data),
-         static_cast<float*>(next.h_post.data), static_cast<float*>(next.h_res.data)});
-  });
-}
-
-void boundary_backward(const Config& config, const detail::Dims& dims,
-                       const TensorRef& next_dlayer_in, const TensorRef& next_dx_partial,
-                       const TensorRef& next_dh_post, const TensorRef& next_dh_res,
-                       const TensorRef& x, const TensorRef& layer_out, const TensorRef& h_post,
-                       const TensorRef& h_res, const Params& next_params,
-                       const PostBackwardOutputs& outputs, const ParamGrads& next_grads) {
-  with_activation_types(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
-    using X = decltype(x_tag);
-    using L = decltype(lo_tag);
-    PostBackwardTiles<X, L> source(post_inputs<X, L>(dims, x, layer_out, h_post, h_res), outputs);
-    const PostGradients<X> post{static_cast<const X*>(next_dx_partial.data),
-                                static_cast<const float*>(next_dh_post.data),
-                                static_cast<const float*>(next_dh_res.data)};
-    pre_backward_tiles<X>(config, dims, pre_weights(next_params),
-                          static_cast<const X*>(next_dlayer_in.data), post, Supplied{}, source,
-                          pre_grads(next_grads));
-  });
-}
-
-}  // namespace mhc::cpu
-
-// V4.1's boundary (spec: Single-pass schedule): the same tile sources, with the next sublayer's
-// pre-apply reading sublayer l's h_pre instead of its own gates.
-namespace mhc::cpu {
-
-void boundary_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
-                              const TensorRef& layer_out, const TensorRef& h_pre,
-                              const TensorRef& h_post, const TensorRef& h_res,
-                              const Params& next_params, const MutableTensorRef& x_next,
-                              const PreForwardOutputs& next) {
+// The boundary with the next sublayer's pre-apply reading `mix`: V4's own h_pre (the default
+// mix) or V4.1's carried h_pre of sublayer l.
+void run_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                 const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                 const Params& next_params, const MutableTensorRef& x_next,
+                 const PreForwardOutputs& next, const PreApplyMix& mix) {
   with_activation_types(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
     using X = decltype(x_tag);
     using L = decltype(lo_tag);
@@ -165,8 +123,59 @@ void boundary_forward_carried(const Config& config, const detail::Dims& dims, co
         config, dims, pre_weights(next_params), nullptr, source,
         {static_cast<X*>(next.layer_in.data), static_cast<float*>(next.h_pre.data),
          static_cast<float*>(next.h_post.data), static_cast<float*>(next.h_res.data)},
-        PreApplyMix{true, static_cast<const float*>(h_pre.data)});
+        mix);
   });
+}
+
+// Its backward; `supplied` carries V4.1's mix, the next sublayer's dh_pre and where the mix's
+// cotangent (dh_pre of sublayer l) goes, or nothing for V4.
+void run_backward(const Config& config, const detail::Dims& dims, const TensorRef& next_dlayer_in,
+                  const TensorRef& next_dx_partial, const TensorRef& next_dh_post,
+                  const TensorRef& next_dh_res, const TensorRef& x, const TensorRef& layer_out,
+                  const TensorRef& h_post, const TensorRef& h_res, const Params& next_params,
+                  const PostBackwardOutputs& outputs, const Supplied& supplied,
+                  const ParamGrads& next_grads) {
+  with_activation_types(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
+    using X = decltype(x_tag);
+    using L = decltype(lo_tag);
+    PostBackwardTiles<X, L> source(post_inputs<X, L>(dims, x, layer_out, h_post, h_res), outputs);
+    const PostGradients<X> post{static_cast<const X*>(next_dx_partial.data),
+                                static_cast<const float*>(next_dh_post.data),
+                                static_cast<const float*>(next_dh_res.data)};
+    pre_backward_tiles<X>(config, dims, pre_weights(next_params),
+                          static_cast<const X*>(next_dlayer_in.data), post, supplied, source,
+                          pre_grads(next_grads));
+  });
+}
+
+}  // namespace
+
+void boundary_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                      const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res,
+                      const Params& next_params, const MutableTensorRef& x_next,
+                      const PreForwardOutputs& next) {
+  run_forward(config, dims, x, layer_out, h_post, h_res, next_params, x_next, next, PreApplyMix{});
+}
+
+void boundary_backward(const Config& config, const detail::Dims& dims,
+                       const TensorRef& next_dlayer_in, const TensorRef& next_dx_partial,
+                       const TensorRef& next_dh_post, const TensorRef& next_dh_res,
+                       const TensorRef& x, const TensorRef& layer_out, const TensorRef& h_post,
+                       const TensorRef& h_res, const Params& next_params,
+                       const PostBackwardOutputs& outputs, const ParamGrads& next_grads) {
+  run_backward(config, dims, next_dlayer_in, next_dx_partial, next_dh_post, next_dh_res, x,
+               layer_out, h_post, h_res, next_params, outputs, Supplied{}, next_grads);
+}
+
+// V4.1's boundary (spec: Single-pass schedule): the next sublayer's pre-apply reads sublayer l's
+// h_pre instead of its own gates.
+void boundary_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
+                              const TensorRef& layer_out, const TensorRef& h_pre,
+                              const TensorRef& h_post, const TensorRef& h_res,
+                              const Params& next_params, const MutableTensorRef& x_next,
+                              const PreForwardOutputs& next) {
+  run_forward(config, dims, x, layer_out, h_post, h_res, next_params, x_next, next,
+              PreApplyMix{true, static_cast<const float*>(h_pre.data)});
 }
 
 void boundary_backward_carried(const Config& config, const detail::Dims& dims,
@@ -177,20 +186,11 @@ void boundary_backward_carried(const Config& config, const detail::Dims& dims,
                                const TensorRef& h_post, const TensorRef& h_res,
                                const Params& next_params, const PostBackwardOutputs& outputs,
                                const MutableTensorRef& dh_pre, const ParamGrads& next_grads) {
-  with_activation_types(x.dtype, layer_out.dtype, [&](auto x_tag, auto lo_tag) {
-    using X = decltype(x_tag);
-    using L = decltype(lo_tag);
-    PostBackwardTiles<X, L> source(post_inputs<X, L>(dims, x, layer_out, h_post, h_res), outputs);
-    const PostGradients<X> post{static_cast<const X*>(next_dx_partial.data),
-                                static_cast<const float*>(next_dh_post.data),
-                                static_cast<const float*>(next_dh_res.data)};
-    const Supplied supplied{nullptr, static_cast<const float*>(next_dh_pre.data),
-                            PreApplyMix{true, static_cast<const float*>(h_pre.data)},
-                            static_cast<float*>(dh_pre.data)};
-    pre_backward_tiles<X>(config, dims, pre_weights(next_params),
-                          static_cast<const X*>(next_dlayer_in.data), post, supplied, source,
-                          pre_grads(next_grads));
-  });
+  const Supplied supplied{nullptr, static_cast<const float*>(next_dh_pre.data),
+                          PreApplyMix{true, static_cast<const float*>(h_pre.data)},
+                          static_cast<float*>(dh_pre.data)};
+  run_backward(config, dims, next_dlayer_in, next_dx_partial, next_dh_post, next_dh_res, x,
+               layer_out, h_post, h_res, next_params, outputs, supplied, next_grads);
 }
 
 }  // namespace mhc::cpu

@@ -23,13 +23,19 @@ inline double inverse_rms(double sum_of_squares, int64_t M, float rms_eps) {
 
 class TokenCoefficients {
  public:
+  // Which Sinkhorn code runs: `specialized` takes the kernel for n = 4 (SIMD pairs, the matrix
+  // in registers; about twice the generic loops' speed) and the generic loops for any other n;
+  // `generic` takes the generic loops always. Both do the same operations in the same order, so
+  // their results are equal bit for bit; `generic` is for the tests that check it.
+  enum class Loops { specialized, generic };
+
   // pre_gates_only: DeepSeek-V4's head collapse (mhc::head_forward), N = n logits and only H_pre;
   // forward() then leaves h_post and h_res alone and backward() reads only dh_pre.
   TokenCoefficients(const Config& config, const float* alpha, const float* bias,
-                    bool pre_gates_only = false);
+                    bool pre_gates_only = false, Loops loops = Loops::specialized);
 
-  // From P [N] and r: h_pre [n], h_post [n], h_res [n*n]. Keeps the logits and the Sinkhorn
-  // history of this token for a following backward().
+  // From P [N] and r: h_pre [n], h_post [n], h_res [n*n]. Keeps the logits, the gates' sigmoids
+  // and the Sinkhorn history of this token for a following backward().
   void forward(const float* P, double r, float* h_pre, float* h_post, float* h_res);
 
   // After forward() on the same token: from dh_pre, dh_post, dh_res to dP [N] and dr; adds this
@@ -38,8 +44,6 @@ class TokenCoefficients {
                 const float* dh_res, float* dP, double* dr, double* dalpha, double* dbias);
 
  private:
-  void sinkhorn_forward(float* h_res);
-  void sinkhorn_backward(const float* dh_res, double* dlogits);
   void permutations_forward(float* h_res);
   void permutations_backward(const float* dh_res, double* dlogits);
 
@@ -48,12 +52,13 @@ class TokenCoefficients {
   const float* bias_;
   bool pre_gates_only_;
   int64_t n_, N_, R_;
+  Loops loops_;
   std::vector<double> logits_;     // a [N]
+  std::vector<double> sigmoids_;   // sigmoid(a) of the gates [2n], for the backward
   std::vector<double> softmax_;    // Sinkhorn: row softmax [n*n]; permutations: weights [R]
   std::vector<double> steps_;      // Sinkhorn step results, (2*iters - 1) x [n*n]
-  std::vector<double> sums_;       // Sinkhorn step sums, (2*iters - 1) x [n]
-  std::vector<double> gradient_;   // [n*n] and [R] work space for the backward
-  std::vector<double> dots_;       // [n]
+  std::vector<double> inverses_;   // Sinkhorn: 1 / (sum + eps) of every step, (2*iters - 1) x [n]
+  std::vector<double> work_;       // generic Sinkhorn: [n*n + n]; permutations: [n*n] and [R]
   std::vector<double> dlogits_;    // da [N]
   std::vector<int> perm_targets_;  // permutations: perm_p(i) for all p, [R*n]
 };

@@ -18,11 +18,15 @@
 #include "mhc/roofline.h"
 
 namespace ffi = xla::ffi;
+using mhc_ffi::grads_out;
 using mhc_ffi::guarded;
 using mhc_ffi::handler_binding;
 using mhc_ffi::in;
 using mhc_ffi::make_config;
 using mhc_ffi::out;
+using mhc_ffi::params_in;
+using mhc_ffi::post_backward_out;
+using mhc_ffi::pre_forward_out;
 
 namespace {
 
@@ -62,11 +66,8 @@ ffi::Error PreForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
                           MHC_CONFIG_PARAMS) {
   return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward(
-        make_config(xv, MHC_CONFIG_ARGS), xv,
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
-         out(h_res, "h_res")});
+    mhc::pre_forward(make_config(xv, MHC_CONFIG_ARGS), xv, params_in(norm_weight, phi, alpha, bias),
+                     pre_forward_out(layer_in, h_pre, h_post, h_res));
   });
 }
 
@@ -90,8 +91,7 @@ ffi::Error PostBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuff
     const mhc::TensorRef xv = in(x, "x");
     mhc::post_backward(make_config(xv, MHC_CONFIG_ARGS), in(g, "g"), xv, in(layer_out, "layer_out"),
                        in(h_post, "h_post"), in(h_res, "h_res"),
-                       {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"),
-                        out(dh_post, "dh_post"), out(dh_res, "dh_res")});
+                       post_backward_out(dx_partial, dlayer_out, dh_post, dh_res));
   });
 }
 
@@ -104,13 +104,10 @@ ffi::Error PreBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in,
                            ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
   return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward(
-        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
-        in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(dx, "dx"),
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")});
+    mhc::pre_backward(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
+                      in(dx_partial, "dx_partial"), in(dh_post, "dh_post"), in(dh_res, "dh_res"),
+                      xv, params_in(norm_weight, phi, alpha, bias), out(dx, "dx"),
+                      grads_out(dnorm_weight, dphi, dalpha, dbias));
   });
 }
 
@@ -134,8 +131,7 @@ ffi::Error PreForwardFinishImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_forward_finish(make_config(xv, MHC_CONFIG_ARGS), xv, in(partials, "partials"),
                             in(alpha, "alpha"), in(bias, "bias"),
-                            {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
-                             out(h_res, "h_res")});
+                            pre_forward_out(layer_in, h_pre, h_post, h_res));
   });
 }
 
@@ -157,14 +153,11 @@ ffi::Error PreBackwardFinishImpl(
     ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
   return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward_finish(
-        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
-        in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-        in(partials, "partials"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(dx, "dx"),
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")});
+    mhc::pre_backward_finish(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
+                             in(dx_partial, "dx_partial"), in(dh_pre, "dh_pre"),
+                             in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
+                             in(partials, "partials"), params_in(norm_weight, phi, alpha, bias),
+                             out(dx, "dx"), grads_out(dnorm_weight, dphi, dalpha, dbias));
   });
 }
 
@@ -178,13 +171,11 @@ ffi::Error BoundaryForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyB
                                ffi::Result<ffi::AnyBuffer> next_h_res, MHC_CONFIG_PARAMS) {
   return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::boundary_forward(
-        make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"), in(h_post, "h_post"),
-        in(h_res, "h_res"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(x_next, "x_next"),
-        {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(next_h_post, "next_h_post"),
-         out(next_h_res, "next_h_res")});
+    mhc::boundary_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
+                          in(h_post, "h_post"), in(h_res, "h_res"),
+                          params_in(norm_weight, phi, alpha, bias), out(x_next, "x_next"),
+                          {out(layer_in, "layer_in"), out(h_pre, "h_pre"),
+                           out(next_h_post, "next_h_post"), out(next_h_res, "next_h_res")});
   });
 }
 
@@ -199,16 +190,13 @@ ffi::Error BoundaryBackwardImpl(
     ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
   return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::boundary_backward(
-        make_config(xv, MHC_CONFIG_ARGS), in(next_dlayer_in, "next_dlayer_in"),
-        in(next_dx_partial, "next_dx_partial"), in(next_dh_post, "next_dh_post"),
-        in(next_dh_res, "next_dh_res"), xv, in(layer_out, "layer_out"), in(h_post, "h_post"),
-        in(h_res, "h_res"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"), out(dh_post, "dh_post"),
-         out(dh_res, "dh_res")},
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")});
+    mhc::boundary_backward(make_config(xv, MHC_CONFIG_ARGS), in(next_dlayer_in, "next_dlayer_in"),
+                           in(next_dx_partial, "next_dx_partial"), in(next_dh_post, "next_dh_post"),
+                           in(next_dh_res, "next_dh_res"), xv, in(layer_out, "layer_out"),
+                           in(h_post, "h_post"), in(h_res, "h_res"),
+                           params_in(norm_weight, phi, alpha, bias),
+                           post_backward_out(dx_partial, dlayer_out, dh_post, dh_res),
+                           grads_out(dnorm_weight, dphi, dalpha, dbias));
   });
 }
 
@@ -248,11 +236,9 @@ ffi::Error PreForwardCarriedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::An
                                  ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
   return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward_carried(
-        make_config(xv, MHC_CONFIG_ARGS), xv, in(carried, "carried"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
-         out(h_res, "h_res")});
+    mhc::pre_forward_carried(make_config(xv, MHC_CONFIG_ARGS), xv, in(carried, "carried"),
+                             params_in(norm_weight, phi, alpha, bias),
+                             pre_forward_out(layer_in, h_pre, h_post, h_res));
   });
 }
 
@@ -268,11 +254,8 @@ ffi::Error PreBackwardCarriedImpl(
     mhc::pre_backward_carried(
         make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
         in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-        in(carried, "carried"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(dx, "dx"), out(dcarried, "dcarried"),
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")});
+        in(carried, "carried"), params_in(norm_weight, phi, alpha, bias), out(dx, "dx"),
+        out(dcarried, "dcarried"), grads_out(dnorm_weight, dphi, dalpha, dbias));
   });
 }
 
@@ -304,13 +287,11 @@ ffi::Error BoundaryForwardCarriedImpl(
     MHC_CONFIG_PARAMS) {
   return guarded_on(pool, [&] {
     const mhc::TensorRef xv = in(x, "x");
-    mhc::boundary_forward_carried(
-        make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"), in(h_pre, "h_pre"),
-        in(h_post, "h_post"), in(h_res, "h_res"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(x_next, "x_next"),
-        {out(layer_in, "layer_in"), out(next_h_pre, "next_h_pre"), out(next_h_post, "next_h_post"),
-         out(next_h_res, "next_h_res")});
+    mhc::boundary_forward_carried(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
+                                  in(h_pre, "h_pre"), in(h_post, "h_post"), in(h_res, "h_res"),
+                                  params_in(norm_weight, phi, alpha, bias), out(x_next, "x_next"),
+                                  {out(layer_in, "layer_in"), out(next_h_pre, "next_h_pre"),
+                                   out(next_h_post, "next_h_post"), out(next_h_res, "next_h_res")});
   });
 }
 
@@ -331,12 +312,9 @@ ffi::Error BoundaryBackwardCarriedImpl(
         in(next_dx_partial, "next_dx_partial"), in(next_dh_pre, "next_dh_pre"),
         in(next_dh_post, "next_dh_post"), in(next_dh_res, "next_dh_res"), xv,
         in(layer_out, "layer_out"), in(h_pre, "h_pre"), in(h_post, "h_post"), in(h_res, "h_res"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"), out(dh_post, "dh_post"),
-         out(dh_res, "dh_res")},
-        out(dh_pre, "dh_pre"),
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")});
+        params_in(norm_weight, phi, alpha, bias),
+        post_backward_out(dx_partial, dlayer_out, dh_post, dh_res), out(dh_pre, "dh_pre"),
+        grads_out(dnorm_weight, dphi, dalpha, dbias));
   });
 }
 
@@ -351,8 +329,7 @@ ffi::Error PreForwardFinishCarriedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
     const mhc::TensorRef xv = in(x, "x");
     mhc::pre_forward_finish_carried(make_config(xv, MHC_CONFIG_ARGS), xv, in(partials, "partials"),
                                     in(carried, "carried"), in(alpha, "alpha"), in(bias, "bias"),
-                                    {out(layer_in, "layer_in"), out(h_pre, "h_pre"),
-                                     out(h_post, "h_post"), out(h_res, "h_res")});
+                                    pre_forward_out(layer_in, h_pre, h_post, h_res));
   });
 }
 
@@ -368,11 +345,8 @@ ffi::Error PreBackwardFinishCarriedImpl(
     mhc::pre_backward_finish_carried(
         make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
         in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-        in(partials, "partials"), in(carried, "carried"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(dx, "dx"),
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")});
+        in(partials, "partials"), in(carried, "carried"), params_in(norm_weight, phi, alpha, bias),
+        out(dx, "dx"), grads_out(dnorm_weight, dphi, dalpha, dbias));
   });
 }
 
@@ -478,39 +452,32 @@ NB_MODULE(_mhc_cpu, module) {
 #endif
   });
   module.def("registrations", []() {
+    const std::pair<const char*, XLA_FFI_Handler*> handlers[] = {
+        {"mhc_pre_forward", MhcPreForward},
+        {"mhc_post_forward", MhcPostForward},
+        {"mhc_post_backward", MhcPostBackward},
+        {"mhc_pre_backward", MhcPreBackward},
+        {"mhc_boundary_forward", MhcBoundaryForward},
+        {"mhc_boundary_backward", MhcBoundaryBackward},
+        {"mhc_head_forward", MhcHeadForward},
+        {"mhc_head_backward", MhcHeadBackward},
+        {"mhc_pre_forward_partials", MhcPreForwardPartials},
+        {"mhc_pre_forward_finish", MhcPreForwardFinish},
+        {"mhc_pre_backward_partials", MhcPreBackwardPartials},
+        {"mhc_pre_backward_finish", MhcPreBackwardFinish},
+        {"mhc_pre_forward_carried", MhcPreForwardCarried},
+        {"mhc_pre_backward_carried", MhcPreBackwardCarried},
+        {"mhc_collapse_forward", MhcCollapseForward},
+        {"mhc_collapse_backward", MhcCollapseBackward},
+        {"mhc_boundary_forward_carried", MhcBoundaryForwardCarried},
+        {"mhc_boundary_backward_carried", MhcBoundaryBackwardCarried},
+        {"mhc_pre_forward_finish_carried", MhcPreForwardFinishCarried},
+        {"mhc_pre_backward_finish_carried", MhcPreBackwardFinishCarried},
+    };
     nanobind::dict table;
-    table["mhc_pre_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreForward));
-    table["mhc_post_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostForward));
-    table["mhc_post_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPostBackward));
-    table["mhc_pre_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcPreBackward));
-    table["mhc_boundary_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryForward));
-    table["mhc_boundary_backward"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryBackward));
-    table["mhc_head_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcHeadForward));
-    table["mhc_head_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcHeadBackward));
-    table["mhc_pre_forward_partials"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardPartials));
-    table["mhc_pre_forward_finish"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardFinish));
-    table["mhc_pre_backward_partials"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardPartials));
-    table["mhc_pre_backward_finish"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardFinish));
-    table["mhc_pre_forward_carried"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardCarried));
-    table["mhc_pre_backward_carried"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardCarried));
-    table["mhc_collapse_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCollapseForward));
-    table["mhc_collapse_backward"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcCollapseBackward));
-    table["mhc_boundary_forward_carried"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryForwardCarried));
-    table["mhc_boundary_backward_carried"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcBoundaryBackwardCarried));
-    table["mhc_pre_forward_finish_carried"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreForwardFinishCarried));
-    table["mhc_pre_backward_finish_carried"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcPreBackwardFinishCarried));
+    for (const auto& [name, handler] : handlers) {
+      table[name] = nanobind::capsule(reinterpret_cast<void*>(handler));
+    }
     return table;
   });
   // The library's thread count and the roofline ceilings, for mhc.bench and users' own timing.

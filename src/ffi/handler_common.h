@@ -8,6 +8,7 @@
 
 #include "mhc/config.h"
 #include "mhc/error.h"
+#include "mhc/ops.h"
 #include "mhc/tensor.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -44,6 +45,39 @@ inline mhc::TensorRef in(const ffi::AnyBuffer& buffer, const char* name) {
 inline mhc::MutableTensorRef out(ffi::Result<ffi::AnyBuffer>& buffer, const char* name) {
   return make_view<mhc::MutableTensorRef>(buffer->untyped_data(), buffer->element_type(),
                                           buffer->dimensions(), name);
+}
+
+// The argument groups that the handlers of the pre operations, the boundaries and their V4.1
+// forms share, decoded under the names every handler gives them: the parameters (norm_weight, phi,
+// alpha, bias, bound in this order), their gradients, and the outputs of the pre forward and of
+// the post backward.
+inline mhc::Params params_in(const ffi::AnyBuffer& norm_weight, const ffi::AnyBuffer& phi,
+                             const ffi::AnyBuffer& alpha, const ffi::AnyBuffer& bias) {
+  return {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")};
+}
+
+inline mhc::ParamGrads grads_out(ffi::Result<ffi::AnyBuffer>& dnorm_weight,
+                                 ffi::Result<ffi::AnyBuffer>& dphi,
+                                 ffi::Result<ffi::AnyBuffer>& dalpha,
+                                 ffi::Result<ffi::AnyBuffer>& dbias) {
+  return {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
+          out(dbias, "dbias")};
+}
+
+inline mhc::PreForwardOutputs pre_forward_out(ffi::Result<ffi::AnyBuffer>& layer_in,
+                                              ffi::Result<ffi::AnyBuffer>& h_pre,
+                                              ffi::Result<ffi::AnyBuffer>& h_post,
+                                              ffi::Result<ffi::AnyBuffer>& h_res) {
+  return {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
+          out(h_res, "h_res")};
+}
+
+inline mhc::PostBackwardOutputs post_backward_out(ffi::Result<ffi::AnyBuffer>& dx_partial,
+                                                  ffi::Result<ffi::AnyBuffer>& dlayer_out,
+                                                  ffi::Result<ffi::AnyBuffer>& dh_post,
+                                                  ffi::Result<ffi::AnyBuffer>& dh_res) {
+  return {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"), out(dh_post, "dh_post"),
+          out(dh_res, "dh_res")};
 }
 
 // The config travels as attributes; D is the last dimension of x times the number of slices.

@@ -16,7 +16,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -68,52 +67,16 @@ std::vector<BoundaryCase> boundary_cases() {
   return cases;
 }
 
-bool same_bits(const HostTensor& a, const HostTensor& b) {
-  if (a.bytes() != b.bytes()) return false;
-  return a.bytes() == 0 || std::memcmp(a.data(), b.data(), static_cast<size_t>(a.bytes())) == 0;
-}
-
-class BoundaryVsSeparate : public testing::TestWithParam<BoundaryCase> {
+class BoundaryVsSeparate : public KernelCaseTest<BoundaryCase> {
  protected:
-  void SetUp() override {
-    const BoundaryCase& c = GetParam();
-    config.n = c.n;
-    config.dim = c.D;
-    config.mix = c.mix;
-    T = c.T;
-    seed = fresh_seed();
-    rng.seed(seed);
-    params = random_params(rng, config);
-    next_params = random_params(rng, config);
-  }
-  void TearDown() override { set_num_threads(0); }
-
-  HostTensor activation(DType dtype, std::vector<int64_t> shape) {
-    int64_t count = 1;
-    for (int64_t e : shape) count *= e;
-    return HostTensor::from(dtype, std::move(shape), random_normal(rng, count));
-  }
-  std::string context() const {
+  std::string context() const override {
     return describe(config, T, GetParam().x_dtype) + ", seed " + std::to_string(seed);
-  }
-  void expect_close(const std::string& name, const HostTensor& got, const Vec& want,
-                    const std::function<Vec()>& resample) {
-    expect_matches(name, got.dtype(), got.to_double(), want, resample, context());
   }
   // Against the unrounded chain: see the file comment.
   void expect_close_to_chain(const std::string& name, const HostTensor& got, const Vec& want,
                              const std::function<Vec()>& resample) {
-    expect_matches(name + " (unrounded chain)", got.dtype(), got.to_double(), want, resample,
-                   context());
+    expect_close(name + " (unrounded chain)", got, want, resample);
   }
-  Vec perturb(const Vec& values) { return perturb_f32(rng, values); }
-  reference::Params perturb(const reference::Params& p) { return perturb_f32(rng, p); }
-
-  Config config;
-  int64_t T = 0;
-  uint64_t seed = 0;
-  std::mt19937_64 rng;
-  reference::Params params, next_params;
 };
 
 TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
@@ -121,66 +84,52 @@ TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
   const int64_t n = c.n, D = c.D;
   const DType xd = c.x_dtype, lod = c.layer_out_dtype;
   // Sublayer l: x, its coefficients from pre_forward, a random layer_out.
-  HostTensor x = activation(xd, {T, n, D});
+  HostTensor x = random(xd, {T, n, D});
   HostParams host_params(config, params), host_next(config, next_params);
-  HostTensor layer_in(xd, {T, D}), h_pre(DType::f32, {T, n}), h_post(DType::f32, {T, n}),
-      h_res(DType::f32, {T, n, n});
-  pre_forward(config, x.ref(), host_params.view(),
-              PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()});
-  HostTensor layer_out = activation(lod, {T, D});
+  HostPreOutputs own(xd, T, n, D);
+  pre_forward(config, x.ref(), host_params.view(), own.view());
+  const HostTensor &h_post = own.h_post, &h_res = own.h_res;
+  HostTensor layer_out = random(lod, {T, D});
 
   // Forward, separate: post_forward, then pre_forward of sublayer l+1.
-  HostTensor sep_x_next(xd, {T, n, D}), sep_li(xd, {T, D}), sep_hpre(DType::f32, {T, n}),
-      sep_hpost(DType::f32, {T, n}), sep_hres(DType::f32, {T, n, n});
+  HostTensor sep_x_next(xd, {T, n, D});
+  HostPreOutputs sep_next(xd, T, n, D);
   post_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), sep_x_next.mut());
-  pre_forward(config, sep_x_next.ref(), host_next.view(),
-              PreForwardOutputs{sep_li.mut(), sep_hpre.mut(), sep_hpost.mut(), sep_hres.mut()});
+  pre_forward(config, sep_x_next.ref(), host_next.view(), sep_next.view());
 
   // Backward inputs of sublayer l+1's pre: random cotangents.
-  HostTensor next_dli = activation(xd, {T, D}), next_dxp = activation(xd, {T, n, D}),
-             next_dhp = activation(DType::f32, {T, n}),
-             next_dhr = activation(DType::f32, {T, n, n});
+  HostTensor next_dli = random(xd, {T, D}), next_dxp = random(xd, {T, n, D}),
+             next_dhp = random(DType::f32, {T, n}), next_dhr = random(DType::f32, {T, n, n});
   // Backward, separate: pre_backward of l+1, then post_backward of l with g = its dx.
-  HostTensor sep_dx_next(xd, {T, n, D}), sep_dxp(xd, {T, n, D}), sep_dlo(lod, {T, D}),
-      sep_dhp(DType::f32, {T, n}), sep_dhr(DType::f32, {T, n, n});
+  HostTensor sep_dx_next(xd, {T, n, D});
+  HostPostGrads sep_post(xd, lod, T, n, D);
   HostGrads sep_grads(config);
   pre_backward(config, next_dli.ref(), next_dxp.ref(), next_dhp.ref(), next_dhr.ref(),
                sep_x_next.ref(), host_next.view(), sep_dx_next.mut(), sep_grads.view());
   post_backward(config, sep_dx_next.ref(), x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(),
-                PostBackwardOutputs{sep_dxp.mut(), sep_dlo.mut(), sep_dhp.mut(), sep_dhr.mut()});
+                sep_post.view());
 
   for (int threads : {1, 3}) {
     set_num_threads(threads);
     SCOPED_TRACE(context() + ", " + std::to_string(threads) + " threads");
-    HostTensor x_next(xd, {T, n, D}), li(xd, {T, D}), hpre(DType::f32, {T, n}),
-        hpost(DType::f32, {T, n}), hres(DType::f32, {T, n, n});
-    for (HostTensor* out : {&x_next, &li, &hpre, &hpost, &hres}) out->poison();
+    HostTensor x_next(xd, {T, n, D});
+    HostPreOutputs fused_next(xd, T, n, D);
+    x_next.poison();
+    fused_next.poison();
     boundary_forward(config, x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), host_next.view(),
-                     x_next.mut(),
-                     PreForwardOutputs{li.mut(), hpre.mut(), hpost.mut(), hres.mut()});
-    EXPECT_TRUE(same_bits(x_next, sep_x_next)) << "x_next";
-    EXPECT_TRUE(same_bits(li, sep_li)) << "next.layer_in";
-    EXPECT_TRUE(same_bits(hpre, sep_hpre)) << "next.h_pre";
-    EXPECT_TRUE(same_bits(hpost, sep_hpost)) << "next.h_post";
-    EXPECT_TRUE(same_bits(hres, sep_hres)) << "next.h_res";
+                     x_next.mut(), fused_next.view());
+    EXPECT_TRUE(bitwise_equal(x_next, sep_x_next)) << "x_next";
+    EXPECT_TRUE(bitwise_equal(fused_next, sep_next)) << "next";
 
-    HostTensor dxp(xd, {T, n, D}), dlo(lod, {T, D}), dhp(DType::f32, {T, n}),
-        dhr(DType::f32, {T, n, n});
+    HostPostGrads fused_post(xd, lod, T, n, D);
     HostGrads grads(config);
-    for (HostTensor* out : {&dxp, &dlo, &dhp, &dhr}) out->poison();
+    fused_post.poison();
     grads.poison();
     boundary_backward(config, next_dli.ref(), next_dxp.ref(), next_dhp.ref(), next_dhr.ref(),
                       x.ref(), layer_out.ref(), h_post.ref(), h_res.ref(), host_next.view(),
-                      PostBackwardOutputs{dxp.mut(), dlo.mut(), dhp.mut(), dhr.mut()},
-                      grads.view());
-    EXPECT_TRUE(same_bits(dxp, sep_dxp)) << "dx_partial";
-    EXPECT_TRUE(same_bits(dlo, sep_dlo)) << "dlayer_out";
-    EXPECT_TRUE(same_bits(dhp, sep_dhp)) << "dh_post";
-    EXPECT_TRUE(same_bits(dhr, sep_dhr)) << "dh_res";
-    EXPECT_TRUE(same_bits(grads.norm_weight, sep_grads.norm_weight)) << "next_grads.norm_weight";
-    EXPECT_TRUE(same_bits(grads.phi, sep_grads.phi)) << "next_grads.phi";
-    EXPECT_TRUE(same_bits(grads.alpha, sep_grads.alpha)) << "next_grads.alpha";
-    EXPECT_TRUE(same_bits(grads.bias, sep_grads.bias)) << "next_grads.bias";
+                      fused_post.view(), grads.view());
+    EXPECT_TRUE(bitwise_equal(fused_post, sep_post)) << "the post's gradients";
+    EXPECT_TRUE(bitwise_equal(grads, sep_grads)) << "next_grads";
   }
 
   // Against float64, each half on the values it saw (the fused outputs equal these bit for bit).
@@ -194,10 +143,10 @@ TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
   auto rerun_pre = [&] {
     return reference::pre_forward(config, perturb(x_next_seen), perturb(next_params));
   };
-  expect_close("layer_in", sep_li, next.layer_in, [&] { return rerun_pre().layer_in; });
-  expect_close("h_pre", sep_hpre, next.h_pre, [&] { return rerun_pre().h_pre; });
-  expect_close("h_post", sep_hpost, next.h_post, [&] { return rerun_pre().h_post; });
-  expect_close("h_res", sep_hres, next.h_res, [&] { return rerun_pre().h_res; });
+  expect_close("layer_in", sep_next.layer_in, next.layer_in, [&] { return rerun_pre().layer_in; });
+  expect_close("h_pre", sep_next.h_pre, next.h_pre, [&] { return rerun_pre().h_pre; });
+  expect_close("h_post", sep_next.h_post, next.h_post, [&] { return rerun_pre().h_post; });
+  expect_close("h_res", sep_next.h_res, next.h_res, [&] { return rerun_pre().h_res; });
 
   const Vec dli = next_dli.to_double(), dxpv = next_dxp.to_double(), dhpv = next_dhp.to_double(),
             dhrv = next_dhr.to_double();
@@ -223,12 +172,14 @@ TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
     return reference::post_backward(config, perturb(g_seen), perturb(xv), perturb(lov),
                                     perturb(hpv), perturb(hrv));
   };
-  expect_close("dx_partial", sep_dxp, post_back.dx_partial,
+  expect_close("dx_partial", sep_post.dx_partial, post_back.dx_partial,
                [&] { return rerun_post_back().dx_partial; });
-  expect_close("dlayer_out", sep_dlo, post_back.dlayer_out,
+  expect_close("dlayer_out", sep_post.dlayer_out, post_back.dlayer_out,
                [&] { return rerun_post_back().dlayer_out; });
-  expect_close("dh_post", sep_dhp, post_back.dh_post, [&] { return rerun_post_back().dh_post; });
-  expect_close("dh_res", sep_dhr, post_back.dh_res, [&] { return rerun_post_back().dh_res; });
+  expect_close("dh_post", sep_post.dh_post, post_back.dh_post,
+               [&] { return rerun_post_back().dh_post; });
+  expect_close("dh_res", sep_post.dh_res, post_back.dh_res,
+               [&] { return rerun_post_back().dh_res; });
 
   if (xd == DType::f32 && lod == DType::f32) {
     // The unrounded float64 chain: x_next and dx_next never leave float64.
@@ -238,9 +189,9 @@ TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
       return reference::boundary_forward(config, perturb(xv), perturb(lov), perturb(hpv),
                                          perturb(hrv), perturb(next_params));
     };
-    expect_close_to_chain("layer_in", sep_li, chain.next.layer_in,
+    expect_close_to_chain("layer_in", sep_next.layer_in, chain.next.layer_in,
                           [&] { return rerun_chain().next.layer_in; });
-    expect_close_to_chain("h_res", sep_hres, chain.next.h_res,
+    expect_close_to_chain("h_res", sep_next.h_res, chain.next.h_res,
                           [&] { return rerun_chain().next.h_res; });
     const reference::BoundaryBackward back =
         reference::boundary_backward(config, dli, dxpv, dhpv, dhrv, xv, lov, hpv, hrv, next_params);
@@ -249,9 +200,9 @@ TEST_P(BoundaryVsSeparate, ForwardAndBackward) {
                                           perturb(dhrv), perturb(xv), perturb(lov), perturb(hpv),
                                           perturb(hrv), perturb(next_params));
     };
-    expect_close_to_chain("dx_partial", sep_dxp, back.post.dx_partial,
+    expect_close_to_chain("dx_partial", sep_post.dx_partial, back.post.dx_partial,
                           [&] { return rerun_back().post.dx_partial; });
-    expect_close_to_chain("dh_res", sep_dhr, back.post.dh_res,
+    expect_close_to_chain("dh_res", sep_post.dh_res, back.post.dh_res,
                           [&] { return rerun_back().post.dh_res; });
     expect_close_to_chain("dphi", sep_grads.phi, back.next_grads.phi,
                           [&] { return rerun_back().next_grads.phi; });

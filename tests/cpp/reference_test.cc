@@ -192,21 +192,7 @@ TEST_P(ReferenceFiniteDifferences, EveryInputAndParameter) {
       reference::pre_backward(config, w_in, pb.dx_partial, pb.dh_post, pb.dh_res, x, params);
 
   auto check = [&](const char* name, Vec& values, const Vec& analytic) {
-    ASSERT_EQ(values.size(), analytic.size()) << name;
-    Vec numeric(values.size());
-    for (size_t k = 0; k < values.size(); ++k) {
-      const double saved = values[k];
-      const double h = 1e-5 * std::max(1.0, std::fabs(saved));
-      values[k] = saved + h;
-      const double up = loss();
-      values[k] = saved - h;
-      const double down = loss();
-      values[k] = saved;
-      numeric[k] = (up - down) / (2.0 * h);
-    }
-    const double error = relative_error(analytic, numeric);
-    EXPECT_TRUE(error <= 1e-6) << name << ": backward vs finite differences, relative error "
-                               << error << " (seed " << seed << ")";
+    expect_finite_differences(name, values, analytic, loss, seed);
   };
   check("x", x, b.dx);
   check("layer_out", layer_out, pb.dlayer_out);

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <limits>
 
@@ -217,6 +218,17 @@ Vec round_to(DType dtype, Vec values) {
   return values;
 }
 
+HostTensor random_tensor(std::mt19937_64& rng, DType dtype, std::vector<int64_t> shape) {
+  int64_t count = 1;
+  for (int64_t extent : shape) count *= extent;
+  return HostTensor::from(dtype, std::move(shape), random_normal(rng, count));
+}
+
+bool bitwise_equal(const HostTensor& a, const HostTensor& b) {
+  if (a.dtype() != b.dtype() || a.bytes() != b.bytes()) return false;
+  return a.bytes() == 0 || std::memcmp(a.data(), b.data(), static_cast<size_t>(a.bytes())) == 0;
+}
+
 reference::Params random_params(std::mt19937_64& rng, const Config& config) {
   const int64_t M = flat_width(config), N = projection_width(config);
   std::uniform_real_distribution<double> magnitude(0.5, 1.5);
@@ -267,10 +279,95 @@ reference::Params HostGrads::to_double() const {
                            bias.to_double()};
 }
 
+HostPreOutputs::HostPreOutputs(DType dtype, int64_t T, int64_t n, int64_t D)
+    : layer_in(dtype, {T, D}),
+      h_pre(DType::f32, {T, n}),
+      h_post(DType::f32, {T, n}),
+      h_res(DType::f32, {T, n, n}) {}
+
+PreForwardOutputs HostPreOutputs::view() {
+  return PreForwardOutputs{layer_in.mut(), h_pre.mut(), h_post.mut(), h_res.mut()};
+}
+
+void HostPreOutputs::poison() {
+  for (HostTensor* tensor : {&layer_in, &h_pre, &h_post, &h_res}) tensor->poison();
+}
+
+HostPostGrads::HostPostGrads(DType x_dtype, DType layer_out_dtype, int64_t T, int64_t n, int64_t D)
+    : dx_partial(x_dtype, {T, n, D}),
+      dlayer_out(layer_out_dtype, {T, D}),
+      dh_post(DType::f32, {T, n}),
+      dh_res(DType::f32, {T, n, n}) {}
+
+PostBackwardOutputs HostPostGrads::view() {
+  return PostBackwardOutputs{dx_partial.mut(), dlayer_out.mut(), dh_post.mut(), dh_res.mut()};
+}
+
+void HostPostGrads::poison() {
+  for (HostTensor* tensor : {&dx_partial, &dlayer_out, &dh_post, &dh_res}) tensor->poison();
+}
+
+namespace {
+struct NamedPair {
+  const char* name;
+  const HostTensor& a;
+  const HostTensor& b;
+};
+
+testing::AssertionResult all_bitwise_equal(std::initializer_list<NamedPair> pairs) {
+  std::string differing;
+  for (const NamedPair& pair : pairs) {
+    if (!bitwise_equal(pair.a, pair.b)) differing += std::string(" ") + pair.name;
+  }
+  if (differing.empty()) return testing::AssertionSuccess();
+  return testing::AssertionFailure() << "different bits in" << differing;
+}
+}  // namespace
+
+testing::AssertionResult bitwise_equal(const HostPreOutputs& a, const HostPreOutputs& b) {
+  return all_bitwise_equal({{"layer_in", a.layer_in, b.layer_in},
+                            {"h_pre", a.h_pre, b.h_pre},
+                            {"h_post", a.h_post, b.h_post},
+                            {"h_res", a.h_res, b.h_res}});
+}
+
+testing::AssertionResult bitwise_equal(const HostPostGrads& a, const HostPostGrads& b) {
+  return all_bitwise_equal({{"dx_partial", a.dx_partial, b.dx_partial},
+                            {"dlayer_out", a.dlayer_out, b.dlayer_out},
+                            {"dh_post", a.dh_post, b.dh_post},
+                            {"dh_res", a.dh_res, b.dh_res}});
+}
+
+testing::AssertionResult bitwise_equal(const HostGrads& a, const HostGrads& b) {
+  return all_bitwise_equal({{"norm_weight", a.norm_weight, b.norm_weight},
+                            {"phi", a.phi, b.phi},
+                            {"alpha", a.alpha, b.alpha},
+                            {"bias", a.bias, b.bias}});
+}
+
 std::string describe(const Config& config, int64_t T, DType dtype) {
   return "n=" + std::to_string(config.n) + " D=" + std::to_string(config.dim) +
          " T=" + std::to_string(T) + " mix=" + to_string(config.mix) +
          " iters=" + std::to_string(config.sinkhorn_iters) + " dtype=" + to_string(dtype);
+}
+
+void expect_finite_differences(const std::string& name, Vec& values, const Vec& analytic,
+                               const std::function<double()>& loss, uint64_t seed) {
+  ASSERT_EQ(values.size(), analytic.size()) << name;
+  Vec numeric(values.size());
+  for (size_t k = 0; k < values.size(); ++k) {
+    const double saved = values[k];
+    const double h = 1e-5 * std::max(1.0, std::fabs(saved));
+    values[k] = saved + h;
+    const double up = loss();
+    values[k] = saved - h;
+    const double down = loss();
+    values[k] = saved;
+    numeric[k] = (up - down) / (2.0 * h);
+  }
+  const double error = relative_error(analytic, numeric);
+  EXPECT_TRUE(error <= 1e-6) << name << ": backward vs finite differences, relative error " << error
+                             << " (seed " << seed << ")";
 }
 
 }  // namespace mhc::test

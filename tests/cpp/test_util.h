@@ -103,6 +103,12 @@ Vec random_normal(std::mt19937_64& rng, int64_t count, double stddev = 1.0);
 // Values rounded to what `dtype` can hold, so double references see the kernel's exact inputs.
 Vec round_to(DType dtype, Vec values);
 
+// A [shape] tensor of `dtype` holding N(0, 1) values (rounded to the dtype).
+HostTensor random_tensor(std::mt19937_64& rng, DType dtype, std::vector<int64_t> shape);
+
+// The same dtype, size and bytes: the kernels' outputs that must agree to the bit.
+bool bitwise_equal(const HostTensor& a, const HostTensor& b);
+
 // Parameters with non-trivial coefficients: alpha of order 1 with mixed signs, random bias,
 // norm_weight around 1, phi ~ N(0, 1/M).
 reference::Params random_params(std::mt19937_64& rng, const Config& config);
@@ -121,7 +127,74 @@ struct HostGrads {
   reference::Params to_double() const;
 };
 
+// The pre forward's outputs for T tokens: layer_in [T, D] in the activation dtype, h_pre and
+// h_post [T, n] and h_res [T, n, n] in f32.
+struct HostPreOutputs {
+  HostTensor layer_in, h_pre, h_post, h_res;
+  HostPreOutputs(DType dtype, int64_t T, int64_t n, int64_t D);
+  PreForwardOutputs view();
+  void poison();
+};
+
+// The post backward's outputs: dx_partial [T, n, D] in x's dtype, dlayer_out [T, D] in
+// layer_out's, dh_post [T, n] and dh_res [T, n, n] in f32.
+struct HostPostGrads {
+  HostTensor dx_partial, dlayer_out, dh_post, dh_res;
+  HostPostGrads(DType x_dtype, DType layer_out_dtype, int64_t T, int64_t n, int64_t D);
+  PostBackwardOutputs view();
+  void poison();
+};
+
+// Every tensor of `a` bitwise_equal to b's; the failure names those that differ.
+testing::AssertionResult bitwise_equal(const HostPreOutputs& a, const HostPreOutputs& b);
+testing::AssertionResult bitwise_equal(const HostPostGrads& a, const HostPostGrads& b);
+testing::AssertionResult bitwise_equal(const HostGrads& a, const HostGrads& b);
+
 std::string describe(const Config& config, int64_t T, DType dtype);
+
+// The fixture of the kernel tests parameterized by a Case with n, D, T and mix: the config and T,
+// a fresh seed (its rng), random parameters for a sublayer and the next, and the comparisons with
+// the reference by the one rule (expect_matches) named by context(), which the test defines (the
+// case and the seed). The thread count goes back to the default after each test.
+template <class Case>
+class KernelCaseTest : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    const Case& c = this->GetParam();
+    config.n = c.n;
+    config.dim = c.D;
+    config.mix = c.mix;
+    T = c.T;
+    seed = fresh_seed();
+    rng.seed(seed);
+    params = random_params(rng, config);
+    next_params = random_params(rng, config);
+  }
+  void TearDown() override { set_num_threads(0); }
+
+  virtual std::string context() const = 0;
+  HostTensor random(DType dtype, std::vector<int64_t> shape) {
+    return random_tensor(rng, dtype, std::move(shape));
+  }
+  void expect_close(const std::string& name, const HostTensor& got, const Vec& want,
+                    const std::function<Vec()>& resample) {
+    expect_matches(name, got.dtype(), got.to_double(), want, resample, context());
+  }
+  Vec perturb(const Vec& values) { return perturb_f32(rng, values); }
+  reference::Params perturb(const reference::Params& p) { return perturb_f32(rng, p); }
+
+  Config config;
+  int64_t T = 0;
+  uint64_t seed = 0;
+  std::mt19937_64 rng;
+  reference::Params params, next_params;
+};
+
+// The float64 reference's backward against central finite differences of its forward: each value
+// of `values` moved by +-1e-5 relative (at least 1e-5) and restored, the difference quotient of
+// loss() against `analytic` within 1e-6 relative. `name` and `seed` go into the message.
+void expect_finite_differences(const std::string& name, Vec& values, const Vec& analytic,
+                               const std::function<double()>& loss, uint64_t seed);
 
 // Expects call() to throw mhc::Error naming `op` and `argument`, with `fragment` in its message.
 template <class Call>

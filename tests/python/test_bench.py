@@ -99,6 +99,8 @@ def test_main_prints_the_table_and_writes_json(tmp_path, capsys, tune_calls):
     for row in timed:
         assert row["kernel_ms"] > 0 and row["plain_ms"] > 0 and row["roofline_fraction"] > 0
         assert ("separate_ms" in row) == (row["op"] in bench.BOUNDARY_OPS), row
+        if "separate_ms" in row:  # timed in turns: the ratio is the median per-round one
+            assert row["fused_interleaved_ms"] > 0 and row["fused_speedup"] > 0
         assert row["kernel_tuned_ms"] > 0 and row["plain_tuned_ms"] > 0
     assert "two kernel calls" in table
     memory = [r for r in result["rows"] if r["op"] == "memory_fwd_bwd"]
@@ -136,8 +138,17 @@ def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys, t
 @pytest.mark.parametrize(
     "argv",
     [["--tokens", "0"], ["--repeats", "0"], ["--dtypes", "f16"], ["--decode-dims", "0"], ["--table", "x"]]
-    + [["--allocator", "glibc"]],
+    + [["--allocator", "glibc"], ["--touch-memory", "-1"]],
 )
 def test_bad_flags_are_rejected(argv):
     with pytest.raises(SystemExit):
         bench.main(argv)
+
+
+def test_touch_memory_writes_and_frees():
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert bench.touch_memory(0.25) > 0
+    # Every page written: at least 0.25 GiB of 4 KiB pages faulted in (fewer with huge pages).
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before >= (1 << 28) // (2 << 20)

@@ -162,10 +162,33 @@ def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def pre_forward(config: Config, x, params: Params):
+def _pre_forward_types(x) -> tuple:
+    """What the pre forward writes: layer_in [T, D] in x's dtype, h_pre and h_post [T, n] and h_res
+    [T, n, n] in f32."""
     t, n, d = x.shape
-    types = (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
-    return _call("mhc_pre_forward", config, types, x, *params)
+    return (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
+
+
+def _grad_types(params) -> tuple:
+    return tuple(_sds(p.shape, _F32) for p in params)
+
+
+# DeepSeek-V4.1's kernels (spec: Single-pass schedule) are V4's with one more operand, which the
+# wrappers below take as a keyword: ``carried``, the carried mix f32 [T, n] or [T, 0] for the
+# one-hot on stream 0 (the first sublayer), whose dcarried is [T, 0] too; for the boundary
+# ``h_pre``, sublayer l's, which the next sublayer's pre-apply reads. None: V4's kernel.
+
+
+def _target(v4_target: str, carried) -> str:
+    return v4_target if carried is None else v4_target + "_carried"
+
+
+def _present(*arrays) -> tuple:
+    return tuple(a for a in arrays if a is not None)
+
+
+def pre_forward(config: Config, x, params: Params, *, carried=None):
+    return _call(_target("mhc_pre_forward", carried), config, _pre_forward_types(x), x, *_present(carried), *params)
 
 
 def post_forward(config: Config, x, layer_out, h_post, h_res):
@@ -178,32 +201,39 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res):
     return _call("mhc_post_backward", config, types, g, x, layer_out, h_post, h_res)
 
 
-def pre_backward(config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Params):
-    types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in params)
-    return _call("mhc_pre_backward", config, types, dlayer_in, dx_partial, dh_post, dh_res, x, *params)
+def pre_backward(
+    config: Config, dlayer_in, dx_partial, dh_post, dh_res, x, params: Params, *, dh_pre=None, carried=None
+):
+    """-> dx, (V4.1: dcarried,) then the parameter gradients. V4.1 takes dh_pre, the cotangent of
+    the sublayer's own h_pre; V4 derives it from dlayer_in."""
+    dcarried = () if carried is None else (_sds(carried.shape, _F32),)
+    types = (_sds(x.shape, x.dtype), *dcarried, *_grad_types(params))
+    args = (dlayer_in, dx_partial, *_present(dh_pre), dh_post, dh_res, x, *_present(carried), *params)
+    return _call(_target("mhc_pre_backward", carried), config, types, *args)
 
 
-def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params):
-    t, n, d = x.shape
-    types = (
-        _sds(x.shape, x.dtype),
-        _sds((t, d), x.dtype),
-        _sds((t, n), _F32),
-        _sds((t, n), _F32),
-        _sds((t, n, n), _F32),
-    )
-    return _call("mhc_boundary_forward", config, types, x, layer_out, h_post, h_res, *params)
+def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params, *, h_pre=None):
+    types = (_sds(x.shape, x.dtype), *_pre_forward_types(x))
+    args = (x, layer_out, *_present(h_pre), h_post, h_res, *params)
+    return _call(_target("mhc_boundary_forward", h_pre), config, types, *args)
 
 
-def boundary_backward(config: Config, next_cotangents, x, layer_out, h_post, h_res, params: Params):
+def boundary_backward(config: Config, next_cotangents, x, layer_out, h_post, h_res, params: Params, *, h_pre=None):
+    """-> dx_partial, dlayer_out, dh_post, dh_res, (V4.1: dh_pre, the cotangent of h_pre: the
+    dcarried of sublayer l+1,) then the parameter gradients of l+1. ``next_cotangents``: those of
+    l+1's pre, V4.1's with its dh_pre third."""
     t, n, _ = x.shape
+    dh_pre = () if h_pre is None else (_sds((t, n), _F32),)
     types = (
         _sds(x.shape, x.dtype),
         _sds(layer_out.shape, layer_out.dtype),
         _sds((t, n), _F32),
         _sds((t, n, n), _F32),
-    ) + tuple(_sds(p.shape, _F32) for p in params)
-    return _call("mhc_boundary_backward", config, types, *next_cotangents, x, layer_out, h_post, h_res, *params)
+        *dh_pre,
+        *_grad_types(params),
+    )
+    args = (*next_cotangents, x, layer_out, *_present(h_pre), h_post, h_res, *params)
+    return _call(_target("mhc_boundary_backward", h_pre), config, types, *args)
 
 
 def head_forward(config: Config, x, head: HeadParams):
@@ -212,7 +242,7 @@ def head_forward(config: Config, x, head: HeadParams):
 
 
 def head_backward(config: Config, dout, x, head: HeadParams):
-    types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in head)
+    types = (_sds(x.shape, x.dtype), *_grad_types(head))
     return _call("mhc_head_backward", config, types, dout, x, *head)
 
 
@@ -222,10 +252,9 @@ def pre_forward_partials(config: Config, slices: int, x, norm_weight, phi):
     return _call("mhc_pre_forward_partials", config, types, x, norm_weight, phi, slices=slices)
 
 
-def pre_forward_finish(config: Config, slices: int, x, partials, alpha, bias):
-    t, n, d = x.shape
-    types = (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
-    return _call("mhc_pre_forward_finish", config, types, x, partials, alpha, bias, slices=slices)
+def pre_forward_finish(config: Config, slices: int, x, partials, alpha, bias, *, carried=None):
+    args = (x, partials, *_present(carried), alpha, bias)
+    return _call(_target("mhc_pre_forward_finish", carried), config, _pre_forward_types(x), *args, slices=slices)
 
 
 def pre_backward_partials(config: Config, slices: int, dlayer_in, x):
@@ -234,27 +263,22 @@ def pre_backward_partials(config: Config, slices: int, dlayer_in, x):
 
 
 def pre_backward_finish(
-    config: Config, slices: int, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, params: Params
+    config: Config,
+    slices: int,
+    dlayer_in,
+    dx_partial,
+    dh_pre,
+    dh_post,
+    dh_res,
+    x,
+    partials,
+    params: Params,
+    *,
+    carried=None,
 ):
-    types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in params)
-    args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, *params)
-    return _call("mhc_pre_backward_finish", config, types, *args, slices=slices)
-
-
-# DeepSeek-V4.1's operations (spec: Single-pass schedule). ``carried``: the carried mix f32 [T, n],
-# or [T, 0] for the one-hot on stream 0 (the first sublayer), whose dcarried is [T, 0] too.
-
-
-def pre_forward_carried(config: Config, x, carried, params: Params):
-    t, n, d = x.shape
-    types = (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
-    return _call("mhc_pre_forward_carried", config, types, x, carried, *params)
-
-
-def pre_backward_carried(config: Config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, params: Params):
-    types = (_sds(x.shape, x.dtype), _sds(carried.shape, _F32)) + tuple(_sds(p.shape, _F32) for p in params)
-    args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, *params)
-    return _call("mhc_pre_backward_carried", config, types, *args)
+    types = (_sds(x.shape, x.dtype), *_grad_types(params))
+    args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, *_present(carried), *params)
+    return _call(_target("mhc_pre_backward_finish", carried), config, types, *args, slices=slices)
 
 
 def collapse_forward(config: Config, x, carried):
@@ -264,47 +288,6 @@ def collapse_forward(config: Config, x, carried):
 
 def collapse_backward(config: Config, dout, x, carried):
     return _call("mhc_collapse_backward", config, (_sds(x.shape, x.dtype), _sds(carried.shape, _F32)), dout, x, carried)
-
-
-def boundary_forward_carried(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params):
-    t, n, d = x.shape
-    types = (
-        _sds(x.shape, x.dtype),
-        _sds((t, d), x.dtype),
-        _sds((t, n), _F32),
-        _sds((t, n), _F32),
-        _sds((t, n, n), _F32),
-    )
-    return _call("mhc_boundary_forward_carried", config, types, x, layer_out, h_pre, h_post, h_res, *params)
-
-
-def boundary_backward_carried(config: Config, next_cotangents, x, layer_out, h_pre, h_post, h_res, params: Params):
-    """-> dx_partial, dlayer_out, dh_post, dh_res, dh_pre (the cotangent of h_pre: the dcarried of
-    sublayer l+1), then the parameter gradients of l+1."""
-    t, n, _ = x.shape
-    types = (
-        _sds(x.shape, x.dtype),
-        _sds(layer_out.shape, layer_out.dtype),
-        _sds((t, n), _F32),
-        _sds((t, n, n), _F32),
-        _sds((t, n), _F32),
-    ) + tuple(_sds(p.shape, _F32) for p in params)
-    args = (*next_cotangents, x, layer_out, h_pre, h_post, h_res, *params)
-    return _call("mhc_boundary_backward_carried", config, types, *args)
-
-
-def pre_forward_finish_carried(config: Config, slices: int, x, partials, carried, alpha, bias):
-    t, n, d = x.shape
-    types = (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
-    return _call("mhc_pre_forward_finish_carried", config, types, x, partials, carried, alpha, bias, slices=slices)
-
-
-def pre_backward_finish_carried(
-    config: Config, slices: int, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, carried, params: Params
-):
-    types = (_sds(x.shape, x.dtype),) + tuple(_sds(p.shape, _F32) for p in params)
-    args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, carried, *params)
-    return _call("mhc_pre_backward_finish_carried", config, types, *args, slices=slices)
 
 
 # The operations as partitioned functions (see _partitioning): each takes x with any leading
@@ -329,223 +312,184 @@ def _local_params(config: Config, norm_weight, phi, alpha, bias) -> Params:
     return Params(norm_weight.reshape(-1), phi.reshape(-1, config.projection_width), alpha, bias)
 
 
+def _local_param_grads(plan, grads, n: int, d: int) -> tuple:
+    """The kernels' parameter gradients (sums over this device's tokens) summed over the token
+    axes in one all-reduce, as the shards of _local_params: [n, Dl], [n, Dl, N], alpha, bias."""
+    dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
+    return dnorm_weight.reshape(n, d), dphi.reshape(n, d, dphi.shape[-1]), dalpha, dbias
+
+
+def _flat(lead: tuple, *arrays) -> tuple:
+    """The arrays with their token axes ``lead`` merged into one: the kernels' shapes [T, ...]."""
+    t, axes = math.prod(lead), len(lead)
+    return tuple(None if a is None else a.reshape(t, *a.shape[axes:]) for a in arrays)
+
+
+def _unflat(lead: tuple, *arrays) -> tuple:
+    """The kernels' results [T, ...] with the token axes ``lead`` back."""
+    return tuple(None if a is None else a.reshape(*lead, *a.shape[1:]) for a in arrays)
+
+
 def _zero_padded_rows(valid, *arrays):
     """The arrays (token axes first, as `valid`) with the rows XLA padded set to zero: those rows
     hold anything, and must stay out of the parameter sums. `valid` None: no padding."""
     if valid is None:
         return arrays
-    return tuple(jnp.where(valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a, 0) for a in arrays)
+    return tuple(
+        None if a is None else jnp.where(valid.reshape(valid.shape + (1,) * (a.ndim - valid.ndim)), a, 0)
+        for a in arrays
+    )
 
 
-def _pre_forward_local(config: Config, plan, x, norm_weight, phi, alpha, bias):
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    t, width = math.prod(lead), config.projection_width
-    xf, params = x.reshape(t, n, d), _local_params(config, norm_weight, phi, alpha, bias)
+# DeepSeek-V4.1 (spec: Single-pass schedule) runs V4's operations with one more operand: the
+# carried mix for the pre (its own layout letter ``c``, n columns or 0 for the one-hot, so that
+# Shardy does not equate its size with the streams'), h_pre of sublayer l for the boundary. One
+# per-device function serves both: V4's operation passes None for that operand (and for the
+# cotangent of h_pre the V4.1 backwards take) and drops the one result V4.1 adds (_v4_results).
+
+
+def _v4_results(results: tuple, index: int) -> tuple:
+    """V4's results: the shared function's, less V4.1's own at ``index`` (None or unused in V4)."""
+    return results[:index] + results[index + 1 :]
+
+
+def _pre_forward_local(config: Config, plan, x, carried, norm_weight, phi, alpha, bias):
+    """-> layer_in, h_pre (which V4.1 carries to the next sublayer), h_post, h_res, partials."""
+    lead, width = x.shape[:-2], config.projection_width
+    xf, cf = _flat(lead, x, carried)
+    params = _local_params(config, norm_weight, phi, alpha, bias)
     if plan.slices == 1:
-        layer_in, _, h_post, h_res = pre_forward(config, xf, params)
-        partials = jnp.zeros((t, width + 1), _F32)  # only the split backward reads them
+        coefficients = pre_forward(config, xf, params, carried=cf)
+        partials = jnp.zeros((xf.shape[0], width + 1), _F32)  # only the split backward reads them
     else:
-        xf = _split_form(PRE_FORWARD, xf)
+        xf = _split_form(PRE_FORWARD if carried is None else PRE_FORWARD_CARRIED, xf)
         partials = pre_forward_partials(config, plan.slices, xf, params.norm_weight, params.phi)
         partials = jax.lax.psum(partials, plan.feature_axes)
-        layer_in, _, h_post, h_res = pre_forward_finish(config, plan.slices, xf, partials, alpha, bias)
-    return (
-        layer_in.reshape(*lead, d),
-        h_post.reshape(*lead, n),
-        h_res.reshape(*lead, n, n),
-        partials.reshape(*lead, width + 1),
-    )
+        coefficients = pre_forward_finish(config, plan.slices, xf, partials, alpha, bias, carried=cf)
+    return _unflat(lead, *coefficients, partials)
 
 
-def _pre_backward_local(config: Config, plan, dlayer_in, dx_partial, dh_post, dh_res, x, partials, *shaped):
+def _pre_forward_v4_local(config: Config, plan, x, *shaped):
+    return _v4_results(_pre_forward_local(config, plan, x, None, *shaped), 1)
+
+
+def _pre_backward_local(
+    config: Config, plan, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, partials, *shaped
+):
+    """-> dx, dcarried, then the parameter gradients. V4.1: dh_pre is the cotangent of this
+    sublayer's own h_pre (from the next sublayer or the collapse), not derived from dlayer_in, and
+    dcarried the carried mix's. V4: dh_pre, carried and dcarried are None."""
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    t, width = math.prod(lead), config.projection_width
-    dlayer_in, dx_partial, dh_post, dh_res, x, partials = _zero_padded_rows(
-        plan.valid_tokens(lead), dlayer_in, dx_partial, dh_post, dh_res, x, partials
-    )
+    operands = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, partials)
+    dli, dxp, dhpre, dhp, dhr, xf, cf, pf = _flat(lead, *_zero_padded_rows(plan.valid_tokens(lead), *operands))
     params = _local_params(config, *shaped)
-    dli, dxp, dhp, dhr, xf = (
-        dlayer_in.reshape(t, d),
-        dx_partial.reshape(t, n, d),
-        dh_post.reshape(t, n),
-        dh_res.reshape(t, n, n),
-        x.reshape(t, n, d),
-    )
+    v4 = carried is None
     if plan.slices == 1:
-        dx, *grads = pre_backward(config, dli, dxp, dhp, dhr, xf, params)
+        dx, *grads = pre_backward(config, dli, dxp, dhp, dhr, xf, params, dh_pre=dhpre, carried=cf)
+        dcarried = None if v4 else grads.pop(0)
     else:
-        xf = _split_form(PRE_BACKWARD, xf)
-        dh_pre = jax.lax.psum(pre_backward_partials(config, plan.slices, dli, xf), plan.feature_axes)
-        pf = partials.reshape(t, width + 1)
-        dx, *grads = pre_backward_finish(config, plan.slices, dli, dxp, dh_pre, dhp, dhr, xf, pf, params)
-    dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
-    return dx.reshape(x.shape), dnorm_weight.reshape(n, d), dphi.reshape(n, d, width), dalpha, dbias
+        xf = _split_form(PRE_BACKWARD if v4 else PRE_BACKWARD_CARRIED, xf)
+        # <x_k, dlayer_in> summed over D, from the partial sums and one all-reduce: V4's dh_pre,
+        # V4.1's dcarried (none for the one-hot's [T, 0]).
+        if v4 or cf.shape[-1]:
+            x_dli = jax.lax.psum(pre_backward_partials(config, plan.slices, dli, xf), plan.feature_axes)
+        else:
+            x_dli = jnp.zeros(cf.shape, _F32)
+        dhpre, dcarried = (x_dli, None) if v4 else (dhpre, x_dli)
+        dx, *grads = pre_backward_finish(config, plan.slices, dli, dxp, dhpre, dhp, dhr, xf, pf, params, carried=cf)
+    return (*_unflat(lead, dx, dcarried), *_local_param_grads(plan, grads, n, d))
+
+
+def _pre_backward_v4_local(config: Config, plan, dlayer_in, dx_partial, dh_post, dh_res, x, partials, *shaped):
+    operands = (dlayer_in, dx_partial, None, dh_post, dh_res, x, None, partials)
+    return _v4_results(_pre_backward_local(config, plan, *operands, *shaped), 1)
 
 
 def _post_forward_local(config: Config, plan, x, layer_out, h_post, h_res):
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    t = math.prod(lead)
-    out = post_forward(
-        config, x.reshape(t, n, d), layer_out.reshape(t, d), h_post.reshape(t, n), h_res.reshape(t, n, n)
-    )
-    return (out.reshape(x.shape),)
+    lead = x.shape[:-2]
+    return _unflat(lead, post_forward(config, *_flat(lead, x, layer_out, h_post, h_res)))
 
 
 def _post_backward_local(config: Config, plan, g, x, layer_out, h_post, h_res):
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    t = math.prod(lead)
-    flat = (
-        g.reshape(t, n, d),
-        x.reshape(t, n, d),
-        layer_out.reshape(t, d),
-        h_post.reshape(t, n),
-        h_res.reshape(t, n, n),
-    )
-    dx_partial, dlayer_out, dh_post, dh_res = post_backward(config, *flat)
+    lead = x.shape[:-2]
+    dx_partial, dlayer_out, dh_post, dh_res = post_backward(config, *_flat(lead, g, x, layer_out, h_post, h_res))
     # dh_post and dh_res sum over D: with D split, one all-reduce completes them.
     dh_post, dh_res = _psum_together((dh_post, dh_res), plan.feature_axes)
-    return (
-        dx_partial.reshape(x.shape),
-        dlayer_out.reshape(layer_out.shape),
-        dh_post.reshape(h_post.shape),
-        dh_res.reshape(h_res.shape),
-    )
+    return _unflat(lead, dx_partial, dlayer_out, dh_post, dh_res)
 
 
-def _boundary_forward_local(config: Config, plan, x, layer_out, h_post, h_res, *shaped):
-    """post of sublayer l, then pre of l+1: fused where the platform has the boundary kernel and D
-    is whole, else (a platform whose backend has no boundary kernel, or D split over devices) the
-    two operations in turn. A platform with neither was refused by the platform check."""
+def _boundary_forward_local(config: Config, plan, x, layer_out, h_pre, h_post, h_res, *shaped):
+    """post of sublayer l, then pre of l+1 (V4.1: reading h_pre of l) -> x_next and the pre's
+    results: fused where the platform has the boundary kernel and D is whole, else (a platform
+    whose backend has no boundary kernel, or D split over devices) the two operations in turn. A
+    platform with neither was refused by the platform check."""
+    operation = BOUNDARY_FORWARD if h_pre is None else BOUNDARY_FORWARD_CARRIED
 
     def separate():
         (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
-        return (x_next, *_pre_forward_local(config, plan, x_next, *shaped))
+        return (x_next, *_pre_forward_local(config, plan, x_next, h_pre, *shaped))
 
     def fused():
-        lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        t, width = math.prod(lead), config.projection_width
-        flat = (x.reshape(t, n, d), layer_out.reshape(t, d), h_post.reshape(t, n), h_res.reshape(t, n, n))
-        x_next, layer_in, _, next_h_post, next_h_res = boundary_forward(config, *flat, _local_params(config, *shaped))
-        return (
-            x_next.reshape(x.shape),
-            layer_in.reshape(*lead, d),
-            next_h_post.reshape(*lead, n),
-            next_h_res.reshape(*lead, n, n),
-            jnp.zeros((*lead, width + 1), _F32),  # only the split backward reads them
-        )
+        lead = x.shape[:-2]
+        xf, lo, hpre, hp, hr = _flat(lead, x, layer_out, h_pre, h_post, h_res)
+        results = boundary_forward(config, xf, lo, hp, hr, _local_params(config, *shaped), h_pre=hpre)
+        partials = jnp.zeros((*lead, config.projection_width + 1), _F32)  # only the split backward reads them
+        return (*_unflat(lead, *results), partials)
 
     if plan.slices > 1:
-        x = _split_form(BOUNDARY_FORWARD, x)
+        x = _split_form(operation, x)
         return separate()
-    return tuple(jax.lax.platform_dependent(**_where_registered("mhc_boundary_forward", fused), default=separate))
+    return tuple(jax.lax.platform_dependent(**_where_registered(operation.targets[0], fused), default=separate))
+
+
+def _boundary_forward_v4_local(config: Config, plan, x, layer_out, h_post, h_res, *shaped):
+    return _v4_results(_boundary_forward_local(config, plan, x, layer_out, None, h_post, h_res, *shaped), 2)
 
 
 def _boundary_backward_local(config: Config, plan, *operands):
-    """pre_backward of sublayer l+1 (its x recomputed by the post of l), then post_backward of l
-    with g = its dx: fused where the platform has the kernel and D is whole (dx_next never
-    stored), else in turn."""
-    next_cotangents, (x, layer_out, h_post, h_res, partials), shaped = operands[:4], operands[4:9], operands[9:]
+    """pre_backward of sublayer l+1 (its x recomputed by the post of l; V4.1: carried = h_pre of
+    l), then post_backward of l with g = its dx -> dx_partial, dlayer_out, dh_pre (V4.1: l+1's
+    dcarried), dh_post, dh_res of l and the parameter gradients of l+1: fused where the platform
+    has the kernel and D is whole (dx_next never stored), else in turn."""
+    next_cotangents, (x, layer_out, h_pre, h_post, h_res, partials), shaped = (
+        operands[:5],
+        operands[5:11],
+        operands[11:],
+    )
+    operation = BOUNDARY_BACKWARD if h_pre is None else BOUNDARY_BACKWARD_CARRIED
 
     def separate():
         (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
-        dx_next, *grads = _pre_backward_local(config, plan, *next_cotangents, x_next, partials, *shaped)
-        return (*_post_backward_local(config, plan, dx_next, x, layer_out, h_post, h_res), *grads)
+        dx_next, dh_pre, *grads = _pre_backward_local(config, plan, *next_cotangents, x_next, h_pre, partials, *shaped)
+        dx_partial, dlayer_out, dh_post, dh_res = _post_backward_local(
+            config, plan, dx_next, x, layer_out, h_post, h_res
+        )
+        return (dx_partial, dlayer_out, dh_pre, dh_post, dh_res, *grads)
 
     def fused():
         lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        t, width = math.prod(lead), config.projection_width
         # Padded rows zeroed in the post's inputs too: the x_next recomputed from them is then zero.
-        dli, dxp, dhp, dhr, xs, lo, hp, hr = _zero_padded_rows(
-            plan.valid_tokens(lead), *next_cotangents, x, layer_out, h_post, h_res
-        )
-        flat_cotangents = (dli.reshape(t, d), dxp.reshape(t, n, d), dhp.reshape(t, n), dhr.reshape(t, n, n))
-        flat_post = (xs.reshape(t, n, d), lo.reshape(t, d), hp.reshape(t, n), hr.reshape(t, n, n))
+        padded = _zero_padded_rows(plan.valid_tokens(lead), *next_cotangents, x, layer_out, h_pre, h_post, h_res)
+        flat = _flat(lead, *padded)
+        xf, lo, hpre, hp, hr = flat[5:]
         dx_partial, dlayer_out, dh_post, dh_res, *grads = boundary_backward(
-            config, flat_cotangents, *flat_post, _local_params(config, *shaped)
+            config, _present(*flat[:5]), xf, lo, hp, hr, _local_params(config, *shaped), h_pre=hpre
         )
-        dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
-        return (
-            dx_partial.reshape(x.shape),
-            dlayer_out.reshape(layer_out.shape),
-            dh_post.reshape(h_post.shape),
-            dh_res.reshape(h_res.shape),
-            dnorm_weight.reshape(n, d),
-            dphi.reshape(n, d, width),
-            dalpha,
-            dbias,
-        )
+        dh_pre = None if h_pre is None else grads.pop(0)
+        post_grads = _unflat(lead, dx_partial, dlayer_out, dh_pre, dh_post, dh_res)
+        return (*post_grads, *_local_param_grads(plan, grads, n, d))
 
     if plan.slices > 1:
-        x = _split_form(BOUNDARY_BACKWARD, x)
+        x = _split_form(operation, x)
         return separate()
-    return tuple(jax.lax.platform_dependent(**_where_registered("mhc_boundary_backward", fused), default=separate))
+    return tuple(jax.lax.platform_dependent(**_where_registered(operation.targets[0], fused), default=separate))
 
 
-# V4.1's operations per device. The carried mix has its own layout letter ``c`` (n columns, or 0
-# for the one-hot), so that Shardy does not equate its size with the streams'.
-
-
-def _pre_forward_carried_local(config: Config, plan, x, carried, norm_weight, phi, alpha, bias):
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    t, width = math.prod(lead), config.projection_width
-    xf, cf = x.reshape(t, n, d), carried.reshape(t, carried.shape[-1])
-    params = _local_params(config, norm_weight, phi, alpha, bias)
-    if plan.slices == 1:
-        layer_in, h_pre, h_post, h_res = pre_forward_carried(config, xf, cf, params)
-        partials = jnp.zeros((t, width + 1), _F32)  # only the split backward reads them
-    else:
-        xf = _split_form(PRE_FORWARD_CARRIED, xf)
-        partials = pre_forward_partials(config, plan.slices, xf, params.norm_weight, params.phi)
-        partials = jax.lax.psum(partials, plan.feature_axes)
-        layer_in, h_pre, h_post, h_res = pre_forward_finish_carried(config, plan.slices, xf, partials, cf, alpha, bias)
-    return (
-        layer_in.reshape(*lead, d),
-        h_pre.reshape(*lead, n),
-        h_post.reshape(*lead, n),
-        h_res.reshape(*lead, n, n),
-        partials.reshape(*lead, width + 1),
-    )
-
-
-def _pre_backward_carried_local(config: Config, plan, *operands):
-    """-> dx, dcarried, then the parameter gradients. dh_pre is the cotangent of this sublayer's
-    own h_pre (from the next sublayer or the collapse), not derived from dlayer_in."""
-    cotangents, (x, carried, partials), shaped = operands[:5], operands[5:8], operands[8:]
-    lead, (n, d) = x.shape[:-2], x.shape[-2:]
-    t, width, columns = math.prod(lead), config.projection_width, carried.shape[-1]
-    dli, dxp, dhpre, dhp, dhr, x, carried, partials = _zero_padded_rows(
-        plan.valid_tokens(lead), *cotangents, x, carried, partials
-    )
-    params = _local_params(config, *shaped)
-    flat = (
-        dli.reshape(t, d),
-        dxp.reshape(t, n, d),
-        dhpre.reshape(t, n),
-        dhp.reshape(t, n),
-        dhr.reshape(t, n, n),
-        x.reshape(t, n, d),
-    )
-    cf = carried.reshape(t, columns)
-    if plan.slices == 1:
-        dx, dcarried, *grads = pre_backward_carried(config, *flat, cf, params)
-    else:
-        xf = _split_form(PRE_BACKWARD_CARRIED, flat[-1])
-        # dcarried sums x * dlayer_in over D: the partial sums of V4's dh_pre, one all-reduce.
-        if columns:
-            dcarried = jax.lax.psum(pre_backward_partials(config, plan.slices, flat[0], xf), plan.feature_axes)
-        else:
-            dcarried = jnp.zeros((t, 0), _F32)
-        pf = partials.reshape(t, width + 1)
-        dx, *grads = pre_backward_finish_carried(config, plan.slices, *flat[:5], xf, pf, cf, params)
-    dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
-    return (
-        dx.reshape(x.shape),
-        dcarried.reshape(carried.shape),
-        dnorm_weight.reshape(n, d),
-        dphi.reshape(n, d, width),
-        dalpha,
-        dbias,
-    )
+def _boundary_backward_v4_local(config: Config, plan, *operands):
+    """V4's operands are V4.1's without the two V4.1 adds: the cotangent of l+1's h_pre and h_pre of l."""
+    dli, dxp, dhp, dhr, x, layer_out, h_post, h_res, *rest = operands
+    operands = (dli, dxp, None, dhp, dhr, x, layer_out, None, h_post, h_res, *rest)
+    return _v4_results(_boundary_backward_local(config, plan, *operands), 2)
 
 
 def _collapse_forward_local(config: Config, plan, x, carried):
@@ -562,103 +506,6 @@ def _collapse_backward_local(config: Config, plan, dout, x, carried):
     # dcarried sums over D: with D split, one all-reduce completes it.
     (dcarried,) = _psum_together((dcarried,), plan.feature_axes)
     return dx.reshape(x.shape), dcarried.reshape(carried.shape)
-
-
-def _boundary_forward_carried_local(config: Config, plan, x, layer_out, h_pre, h_post, h_res, *shaped):
-    """post of sublayer l, then V4.1's pre of l+1 reading h_pre of l: fused where the platform has
-    the kernel and D is whole, else the two operations in turn (as _boundary_forward_local)."""
-
-    def separate():
-        (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
-        return (x_next, *_pre_forward_carried_local(config, plan, x_next, h_pre, *shaped))
-
-    def fused():
-        lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        t, width = math.prod(lead), config.projection_width
-        flat = (
-            x.reshape(t, n, d),
-            layer_out.reshape(t, d),
-            h_pre.reshape(t, n),
-            h_post.reshape(t, n),
-            h_res.reshape(t, n, n),
-        )
-        x_next, layer_in, next_h_pre, next_h_post, next_h_res = boundary_forward_carried(
-            config, *flat, _local_params(config, *shaped)
-        )
-        return (
-            x_next.reshape(x.shape),
-            layer_in.reshape(*lead, d),
-            next_h_pre.reshape(*lead, n),
-            next_h_post.reshape(*lead, n),
-            next_h_res.reshape(*lead, n, n),
-            jnp.zeros((*lead, width + 1), _F32),  # only the split backward reads them
-        )
-
-    if plan.slices > 1:
-        x = _split_form(BOUNDARY_FORWARD_CARRIED, x)
-        return separate()
-    return tuple(
-        jax.lax.platform_dependent(**_where_registered("mhc_boundary_forward_carried", fused), default=separate)
-    )
-
-
-def _boundary_backward_carried_local(config: Config, plan, *operands):
-    """V4.1's pre_backward of l+1 (x_{l+1} recomputed by the post of l, carried = h_pre of l), then
-    post_backward of l with g = its dx -> dx_partial, dlayer_out, dh_pre, dh_post, dh_res of l and
-    the parameter gradients of l+1; dh_pre is l+1's dcarried."""
-    cotangents_next, (x, layer_out, h_pre, h_post, h_res, partials), shaped = (
-        operands[:5],
-        operands[5:11],
-        operands[11:],
-    )
-
-    def separate():
-        (x_next,) = _post_forward_local(config, plan, x, layer_out, h_post, h_res)
-        dx_next, dh_pre, *grads = _pre_backward_carried_local(
-            config, plan, *cotangents_next, x_next, h_pre, partials, *shaped
-        )
-        dx_partial, dlayer_out, dh_post, dh_res = _post_backward_local(
-            config, plan, dx_next, x, layer_out, h_post, h_res
-        )
-        return (dx_partial, dlayer_out, dh_pre, dh_post, dh_res, *grads)
-
-    def fused():
-        lead, (n, d) = x.shape[:-2], x.shape[-2:]
-        t, width = math.prod(lead), config.projection_width
-        # Padded rows zeroed in the post's inputs too: the x_next recomputed from them is then zero.
-        dli, dxp, dhpre, dhp, dhr, xs, lo, cp, hp, hr = _zero_padded_rows(
-            plan.valid_tokens(lead), *cotangents_next, x, layer_out, h_pre, h_post, h_res
-        )
-        flat_cotangents = (
-            dli.reshape(t, d),
-            dxp.reshape(t, n, d),
-            dhpre.reshape(t, n),
-            dhp.reshape(t, n),
-            dhr.reshape(t, n, n),
-        )
-        flat_post = (xs.reshape(t, n, d), lo.reshape(t, d), cp.reshape(t, n), hp.reshape(t, n), hr.reshape(t, n, n))
-        dx_partial, dlayer_out, dh_post, dh_res, dh_pre, *grads = boundary_backward_carried(
-            config, flat_cotangents, *flat_post, _local_params(config, *shaped)
-        )
-        dnorm_weight, dphi, dalpha, dbias = _psum_together(grads, plan.token_axes)
-        return (
-            dx_partial.reshape(x.shape),
-            dlayer_out.reshape(layer_out.shape),
-            dh_pre.reshape(h_pre.shape),
-            dh_post.reshape(h_post.shape),
-            dh_res.reshape(h_res.shape),
-            dnorm_weight.reshape(n, d),
-            dphi.reshape(n, d, width),
-            dalpha,
-            dbias,
-        )
-
-    if plan.slices > 1:
-        x = _split_form(BOUNDARY_BACKWARD_CARRIED, x)
-        return separate()
-    return tuple(
-        jax.lax.platform_dependent(**_where_registered("mhc_boundary_backward_carried", fused), default=separate)
-    )
 
 
 def _head_forward_local(config: Config, plan, x, fn, base, scale):
@@ -683,7 +530,7 @@ PRE_FORWARD = Operation(
     split_targets=("mhc_pre_forward_partials", "mhc_pre_forward_finish"),
     operands=("Bnd", *_PARAMS),
     results=("Bd", "Bn", "Bnm", "Bp"),
-    local=_pre_forward_local,
+    local=_pre_forward_v4_local,
 )
 PRE_BACKWARD = Operation(
     "pre_backward",
@@ -691,7 +538,7 @@ PRE_BACKWARD = Operation(
     split_targets=("mhc_pre_backward_partials", "mhc_pre_backward_finish"),
     operands=("Bd", "Bnd", "Bn", "Bnm", "Bnd", "Bp", *_PARAMS),
     results=("Bnd", *_PARAMS),
-    local=_pre_backward_local,
+    local=_pre_backward_v4_local,
     primary=4,  # x: a cotangent's sharding may not be known (a replicated constant upstream)
 )
 POST_FORWARD = Operation(
@@ -717,7 +564,7 @@ BOUNDARY_FORWARD = Operation(
     split_targets=(*POST_FORWARD.split_targets, *PRE_FORWARD.split_targets),  # post, then pre (no fused split)
     operands=("Bnd", "Bd", "Bn", "Bnm", *_PARAMS),
     results=("Bnd", "Bd", "Bn", "Bnm", "Bp"),
-    local=_boundary_forward_local,
+    local=_boundary_forward_v4_local,
 )
 BOUNDARY_BACKWARD = Operation(
     "boundary_backward",
@@ -725,7 +572,7 @@ BOUNDARY_BACKWARD = Operation(
     split_targets=(*POST_FORWARD.split_targets, *PRE_BACKWARD.split_targets, *POST_BACKWARD.split_targets),
     operands=("Bd", "Bnd", "Bn", "Bnm", "Bnd", "Bd", "Bn", "Bnm", "Bp", *_PARAMS),
     results=("Bnd", "Bd", "Bn", "Bnm", *_PARAMS),
-    local=_boundary_backward_local,
+    local=_boundary_backward_v4_local,
     primary=4,  # x
 )
 # The head: D written as "e" (gathered), fn [n, n*D] as "nf", scale [1] as "s".
@@ -755,7 +602,7 @@ PRE_FORWARD_CARRIED = Operation(
     split_targets=("mhc_pre_forward_partials", "mhc_pre_forward_finish_carried"),
     operands=("Bnd", "Bc", *_PARAMS),
     results=("Bd", "Bn", "Bn", "Bnm", "Bp"),
-    local=_pre_forward_carried_local,
+    local=_pre_forward_local,
 )
 PRE_BACKWARD_CARRIED = Operation(
     "pre_backward_carried",
@@ -763,7 +610,7 @@ PRE_BACKWARD_CARRIED = Operation(
     split_targets=("mhc_pre_backward_partials", "mhc_pre_backward_finish_carried"),
     operands=("Bd", "Bnd", "Bn", "Bn", "Bnm", "Bnd", "Bc", "Bp", *_PARAMS),
     results=("Bnd", "Bc", *_PARAMS),
-    local=_pre_backward_carried_local,
+    local=_pre_backward_local,
     primary=5,  # x
 )
 COLLAPSE_FORWARD = Operation(
@@ -789,7 +636,7 @@ BOUNDARY_FORWARD_CARRIED = Operation(
     split_targets=(*POST_FORWARD.split_targets, *PRE_FORWARD_CARRIED.split_targets),  # no fused split
     operands=("Bnd", "Bd", "Bn", "Bn", "Bnm", *_PARAMS),
     results=("Bnd", "Bd", "Bn", "Bn", "Bnm", "Bp"),
-    local=_boundary_forward_carried_local,
+    local=_boundary_forward_local,
 )
 BOUNDARY_BACKWARD_CARRIED = Operation(
     "boundary_backward_carried",
@@ -797,7 +644,7 @@ BOUNDARY_BACKWARD_CARRIED = Operation(
     split_targets=(*POST_FORWARD.split_targets, *PRE_BACKWARD_CARRIED.split_targets, *POST_BACKWARD.split_targets),
     operands=("Bd", "Bnd", "Bn", "Bn", "Bnm", "Bnd", "Bd", "Bn", "Bn", "Bnm", "Bp", *_PARAMS),
     results=("Bnd", "Bd", "Bn", "Bn", "Bnm", *_PARAMS),
-    local=_boundary_backward_carried_local,
+    local=_boundary_backward_local,
     primary=5,  # x
 )
 OPERATIONS = (

@@ -25,114 +25,33 @@ from mhc.tpu._pre import pre_forward, pre_forward_carried
 from mhc.tpu._pre_backward import pre_backward, pre_backward_carried
 
 
-def _pre_forward_target(config, x, norm_weight, phi, alpha, bias, *, interpret=None):
-    return pre_forward(config, x, Params(norm_weight, phi, alpha, bias), interpret=interpret)
+def _flat_parameters(kernel, parameters=Params):
+    """``kernel(config, *operands, parameters, interpret=None)`` as the FFI targets call it: the
+    parameters passed flat, their fields last (norm_weight, phi, alpha, bias; fn, base, scale)."""
+    count = len(parameters._fields)
 
+    def target(config, *operands, interpret=None):
+        return kernel(config, *operands[:-count], parameters(*operands[-count:]), interpret=interpret)
 
-def _pre_forward_carried_target(config, x, carried, norm_weight, phi, alpha, bias, *, interpret=None):
-    return pre_forward_carried(config, x, carried, Params(norm_weight, phi, alpha, bias), interpret=interpret)
-
-
-def _pre_backward_carried_target(
-    config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, norm_weight, phi, alpha, bias, *, interpret=None
-):
-    params = Params(norm_weight, phi, alpha, bias)
-    cotangents = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res)
-    return pre_backward_carried(config, *cotangents, x, carried, params, interpret=interpret)
-
-
-def _boundary_forward_target(config, x, layer_out, h_post, h_res, norm_weight, phi, alpha, bias, *, interpret=None):
-    return boundary_forward(
-        config, x, layer_out, h_post, h_res, Params(norm_weight, phi, alpha, bias), interpret=interpret
-    )
-
-
-def _pre_backward_target(
-    config, dlayer_in, dx_partial, dh_post, dh_res, x, norm_weight, phi, alpha, bias, *, interpret=None
-):
-    params = Params(norm_weight, phi, alpha, bias)
-    return pre_backward(config, dlayer_in, dx_partial, dh_post, dh_res, x, params, interpret=interpret)
-
-
-def _boundary_backward_target(
-    config,
-    dlayer_in,
-    dx_partial_next,
-    dh_post_next,
-    dh_res_next,
-    x,
-    layer_out,
-    h_post,
-    h_res,
-    norm_weight,
-    phi,
-    alpha,
-    bias,
-    *,
-    interpret=None,
-):
-    cotangents = (dlayer_in, dx_partial_next, dh_post_next, dh_res_next)
-    params = Params(norm_weight, phi, alpha, bias)
-    return boundary_backward(config, *cotangents, x, layer_out, h_post, h_res, params, interpret=interpret)
-
-
-def _boundary_forward_carried_target(
-    config, x, layer_out, h_pre, h_post, h_res, norm_weight, phi, alpha, bias, *, interpret=None
-):
-    params = Params(norm_weight, phi, alpha, bias)
-    return boundary_forward_carried(config, x, layer_out, h_pre, h_post, h_res, params, interpret=interpret)
-
-
-def _boundary_backward_carried_target(
-    config,
-    next_dlayer_in,
-    next_dx_partial,
-    next_dh_pre,
-    next_dh_post,
-    next_dh_res,
-    x,
-    layer_out,
-    h_pre,
-    h_post,
-    h_res,
-    norm_weight,
-    phi,
-    alpha,
-    bias,
-    *,
-    interpret=None,
-):
-    cotangents = (next_dlayer_in, next_dx_partial, next_dh_pre, next_dh_post, next_dh_res)
-    params = Params(norm_weight, phi, alpha, bias)
-    return boundary_backward_carried(
-        config, *cotangents, x, layer_out, h_pre, h_post, h_res, params, interpret=interpret
-    )
-
-
-def _head_forward_target(config, x, fn, base, scale, *, interpret=None):
-    return head_forward(config, x, HeadParams(fn, base, scale), interpret=interpret)
-
-
-def _head_backward_target(config, dout, x, fn, base, scale, *, interpret=None):
-    return head_backward(config, dout, x, HeadParams(fn, base, scale), interpret=interpret)
+    return target
 
 
 KERNELS = {
-    "mhc_pre_forward": _pre_forward_target,
+    "mhc_pre_forward": _flat_parameters(pre_forward),
     "mhc_post_forward": post_forward,
     "mhc_post_backward": post_backward,
-    "mhc_boundary_forward": _boundary_forward_target,
-    "mhc_pre_backward": _pre_backward_target,
-    "mhc_head_forward": _head_forward_target,
-    "mhc_head_backward": _head_backward_target,
-    "mhc_boundary_backward": _boundary_backward_target,
+    "mhc_boundary_forward": _flat_parameters(boundary_forward),
+    "mhc_pre_backward": _flat_parameters(pre_backward),
+    "mhc_head_forward": _flat_parameters(head_forward, HeadParams),
+    "mhc_head_backward": _flat_parameters(head_backward, HeadParams),
+    "mhc_boundary_backward": _flat_parameters(boundary_backward),
     # DeepSeek-V4.1's carried mix (spec: Single-pass schedule).
-    "mhc_pre_forward_carried": _pre_forward_carried_target,
-    "mhc_pre_backward_carried": _pre_backward_carried_target,
+    "mhc_pre_forward_carried": _flat_parameters(pre_forward_carried),
+    "mhc_pre_backward_carried": _flat_parameters(pre_backward_carried),
     "mhc_collapse_forward": collapse_forward,
     "mhc_collapse_backward": collapse_backward,
-    "mhc_boundary_forward_carried": _boundary_forward_carried_target,
-    "mhc_boundary_backward_carried": _boundary_backward_carried_target,
+    "mhc_boundary_forward_carried": _flat_parameters(boundary_forward_carried),
+    "mhc_boundary_backward_carried": _flat_parameters(boundary_backward_carried),
 }
 
 __all__ = [
