@@ -101,9 +101,8 @@ MUTATIONS = (
             # The iteration count both Sinkhorn paths (the n = 4 kernel, the generic loops) read.
             Edit(
                 COEFFICIENTS,
-                "config_.sinkhorn_iters,\n",
-                "config_.sinkhorn_iters - (config_.sinkhorn_iters > 1 ? 1 : 0),\n",
-                count=2,
+                "return {n, config.sinkhorn_iters, config.sinkhorn_eps,",
+                "return {n, config.sinkhorn_iters - (config.sinkhorn_iters > 1 ? 1 : 0), config.sinkhorn_eps,",
             ),
         ),
     ),
@@ -317,8 +316,8 @@ MUTATIONS = (
         (
             Edit(
                 "python/mhc/jax/_kernels.py",
-                "_zero_padded_rows(\n            plan.valid_tokens(lead), *next_cotangents,",
-                "_zero_padded_rows(\n            None, *next_cotangents,",
+                "_zero_padded_rows(plan.valid_tokens(lead), *next_cotangents, x,",
+                "_zero_padded_rows(None, *next_cotangents, x,",
             ),
         ),
         python=True,

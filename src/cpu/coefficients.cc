@@ -42,6 +42,12 @@ struct SinkhornBuffers {
   double* work;      // [n*n + n]
 };
 
+// The one place the forward and the backward read the Sinkhorn settings from.
+SinkhornBuffers sinkhorn_buffers(const Config& config, int64_t n, double* softmax, double* steps,
+                                 double* inverses, double* work) {
+  return {n, config.sinkhorn_iters, config.sinkhorn_eps, softmax, steps, inverses, work};
+}
+
 // ---------------------------------------------------------------------------------------------
 // The generic loops, any n, on y [n x n] row-major.
 
@@ -301,13 +307,8 @@ void TokenCoefficients::forward(const float* P, double r, float* h_pre, float* h
     return;
   }
   for (int64_t i = 0; i < n; ++i) softmax(logits_.data() + 2 * n + i * n, n, &softmax_[i * n]);
-  const SinkhornBuffers buffers{n,
-                                config_.sinkhorn_iters,
-                                config_.sinkhorn_eps,
-                                softmax_.data(),
-                                steps_.data(),
-                                inverses_.data(),
-                                work_.data()};
+  const SinkhornBuffers buffers =
+      sinkhorn_buffers(config_, n, softmax_.data(), steps_.data(), inverses_.data(), work_.data());
   if (n == 4 && loops_ == Loops::specialized) {
     sinkhorn_forward_4(buffers, h_res);
   } else {
@@ -344,13 +345,8 @@ void TokenCoefficients::backward(const float* P, double r, const double* dh_pre,
     if (config_.mix == Mix::permutations) {
       permutations_backward(dh_res, da + 2 * n);
     } else {
-      const SinkhornBuffers buffers{n,
-                                    config_.sinkhorn_iters,
-                                    config_.sinkhorn_eps,
-                                    softmax_.data(),
-                                    steps_.data(),
-                                    inverses_.data(),
-                                    work_.data()};
+      const SinkhornBuffers buffers = sinkhorn_buffers(config_, n, softmax_.data(), steps_.data(),
+                                                       inverses_.data(), work_.data());
       if (n == 4 && loops_ == Loops::specialized) {
         sinkhorn_backward_4(buffers, dh_res, da + 2 * n);
       } else {

@@ -6,7 +6,6 @@
 // relative there, and by ~0.1 at 0.1).
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -78,11 +77,6 @@ struct HostHead {
   }
 };
 
-bool same_bits(const HostTensor& a, const HostTensor& b) {
-  if (a.bytes() != b.bytes()) return false;
-  return a.bytes() == 0 || std::memcmp(a.data(), b.data(), static_cast<size_t>(a.bytes())) == 0;
-}
-
 class HeadVsReference : public testing::TestWithParam<HeadCase> {
  protected:
   void TearDown() override { set_num_threads(0); }
@@ -124,12 +118,12 @@ TEST_P(HeadVsReference, ForwardAndBackward) {
   };
   Results one = run(1);
   const Results three = run(3);
-  EXPECT_TRUE(same_bits(one.out, three.out)) << context;
-  EXPECT_TRUE(same_bits(one.gates, three.gates)) << context;
-  EXPECT_TRUE(same_bits(one.dx, three.dx)) << context;
-  EXPECT_TRUE(same_bits(one.grads.fn, three.grads.fn)) << context;
-  EXPECT_TRUE(same_bits(one.grads.base, three.grads.base)) << context;
-  EXPECT_TRUE(same_bits(one.grads.scale, three.grads.scale)) << context;
+  EXPECT_TRUE(bitwise_equal(one.out, three.out)) << context;
+  EXPECT_TRUE(bitwise_equal(one.gates, three.gates)) << context;
+  EXPECT_TRUE(bitwise_equal(one.dx, three.dx)) << context;
+  EXPECT_TRUE(bitwise_equal(one.grads.fn, three.grads.fn)) << context;
+  EXPECT_TRUE(bitwise_equal(one.grads.base, three.grads.base)) << context;
+  EXPECT_TRUE(bitwise_equal(one.grads.scale, three.grads.scale)) << context;
 
   const Vec xd = x.to_double(), doutd = dout.to_double();
   const reference::HeadForward want = reference::head_forward(config, xd, values);
