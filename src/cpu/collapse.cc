@@ -3,7 +3,8 @@
 // dout[t, d], dcarried[t, k] = <x[t, k], dout[t]>. Streaming work of about n + 1 flops per element:
 // one pass per token over tasks of post_tile_tokens(M) tokens, as the post operations, in the
 // pre kernels' inner loops (the forward's sum is weighted_rows, so it has the bits of
-// pre_forward_carried's layer_in; dcarried is dot, as pre_backward_carried's). A null carried is
+// pre_forward_carried's layer_in, reading x and writing out in their own type, bf16 widened in
+// the loads; dcarried is dot, as pre_backward_carried's). A null carried is
 // the one-hot on stream 0: the forward copies stream 0, the backward writes dout to dx[:, 0] and
 // zeros to the other streams.
 #include <algorithm>
@@ -41,16 +42,9 @@ void over_token_tiles(const detail::Dims& dims, size_t per_worker, Body body) {
 template <class X>
 void forward_tokens(const detail::Dims& dims, const X* x, const PreApplyMix& mix, X* out) {
   const int64_t n = dims.n, D = dims.D, M = dims.M;
-  constexpr bool kWiden = std::is_same_v<X, bf16>;
-  // Per worker, one token widened: x [M] and out [D].
-  const size_t per_worker = kWiden ? static_cast<size_t>(M + D) : 0;
-  over_token_tiles(dims, per_worker, [&](int64_t begin, int64_t end, float* staging) {
-    float* out_staging = kWiden ? staging + M : nullptr;  // f32 has no staging (null)
+  over_token_tiles(dims, 0, [&](int64_t begin, int64_t end, float*) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* xt = as_f32(x + t * M, mix.streams(n) * D, staging);
-      float* ot = f32_target(out + t * D, out_staging);
-      weighted_rows(xt, mix.streams(n), mix.row(t, n, nullptr), D, ot);
-      store_from(ot, out + t * D, D);
+      weighted_rows(x + t * M, mix.streams(n), mix.row(t, n, nullptr), D, out + t * D);
     }
   });
 }

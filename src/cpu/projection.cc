@@ -61,27 +61,37 @@ MHC_INLINE void project_block(const float* x, int64_t M, const float* W, int64_t
 
 // The same sums with W folded in registers from phi (row stride N) instead of from a folded
 // block: the product norm_weight[m] * phi[m, c] is the same f32 value either way. Column vector j
-// starts at starts[j]; a last vector that would pass N starts at N - L instead, and recomputes its
-// overlap with the one before to the same values.
-template <class V, int TB, int CB>
+// of V starts at starts[j], and with kTail an 8-lane vector follows at starts[CB]; a last vector
+// that would pass N starts earlier, and recomputes its overlap with the one before to the same
+// values (every column is the same FMAs in the same order, whatever vector it falls in).
+template <class V, int TB, int CB, bool kTail>
 MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* norm_weight,
                                      const float* phi, int64_t N, int64_t NP, int64_t rows,
                                      const int64_t* starts, float* sums) {
-  V acc[TB][CB] = {};
+  constexpr int kVectors = CB > 0 ? CB : 1;  // no zero-length arrays; unused when CB = 0
+  V acc[TB][kVectors] = {};
+  Lanes8 tail[TB] = {};
   for (int64_t m = 0; m < rows; ++m) {
     const float scale = norm_weight[m];
-    V w[CB];
+    V w[kVectors];
     for (int64_t j = 0; j < CB; ++j) {
       load(&w[j], phi + m * N + starts[j]);
       w[j] *= scale;
     }
+    Lanes8 w_tail{};
+    if constexpr (kTail) {
+      load(&w_tail, phi + m * N + starts[CB]);
+      w_tail *= scale;
+    }
     for (int64_t t = 0; t < TB; ++t) {
       const float xv = x[t * M + m];
       for (int64_t j = 0; j < CB; ++j) acc[t][j] += xv * w[j];
+      if constexpr (kTail) tail[t] += xv * w_tail;
     }
   }
   for (int64_t t = 0; t < TB; ++t) {
     for (int64_t j = 0; j < CB; ++j) store(sums + t * NP + starts[j], &acc[t][j]);
+    if constexpr (kTail) store(sums + t * NP + starts[CB], &tail[t]);
   }
 }
 
@@ -90,6 +100,10 @@ MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* nor
 template <class V>
 inline constexpr int kProjectionVectors = kWidth<V> == 8 ? 3 : 2;
 
+// The register blocks of columns: kProjectionVectors<V> vectors at a time. With 16 lanes a last
+// block of at most 24 columns ends in an 8-lane vector (16 + 8, or 8 alone), not in a second
+// 16-lane one: N = 24 (n = 4) takes a quarter fewer lanes, and on CPUs that run a 16-lane FMA as
+// two 8-lane halves (AMD Zen 4) a quarter less time; elsewhere it is the same count of FMAs.
 template <class V, int TB>
 MHC_INLINE void project_tokens_direct(const float* x, int64_t M, const float* norm_weight,
                                       const float* phi, int64_t N, int64_t NP, int64_t rows,
@@ -98,19 +112,33 @@ MHC_INLINE void project_tokens_direct(const float* x, int64_t M, const float* no
   constexpr int kVectors = kProjectionVectors<V>;
   int64_t starts[kVectors];
   for (int64_t col = 0; col < N; col += kVectors * L) {
+    const int64_t rest = N - col;
+    if constexpr (L > kLanes) {
+      if (rest <= kLanes) {
+        starts[0] = N - kLanes;
+        project_block_direct<V, TB, 0, true>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+        continue;
+      }
+      if (rest > L && rest <= L + kLanes) {
+        starts[0] = col;
+        starts[1] = N - kLanes;
+        project_block_direct<V, TB, 1, true>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+        continue;
+      }
+    }
     int64_t count = 0;
     for (; count < kVectors && col + count * L < N; ++count) {
       starts[count] = std::min(col + count * L, N - L);
     }
     if constexpr (kVectors == 3) {
       if (count == 3) {
-        project_block_direct<V, TB, 3>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+        project_block_direct<V, TB, 3, false>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
       }
     }
     if (count == 2)
-      project_block_direct<V, TB, 2>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+      project_block_direct<V, TB, 2, false>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
     if (count == 1)
-      project_block_direct<V, TB, 1>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
+      project_block_direct<V, TB, 1, false>(x, M, norm_weight, phi, N, NP, rows, starts, sums);
   }
 }
 
@@ -339,12 +367,7 @@ bool wide_projection() {
   return wide;
 }
 
-int64_t padded_width(int64_t N) {
-  // N <= 8 (the head's N = n, small n): one 8-lane vector, not half-empty 16-lane rows, which the
-  // 8-lane kernels would sweep as two vectors (twice the multiply-adds for the same sums).
-  const int64_t lanes = wide_projection() && N > kLanes ? kLanes16 : kLanes;
-  return (N + lanes - 1) / lanes * lanes;
-}
+int64_t padded_width(int64_t N) { return (N + kLanes - 1) / kLanes * kLanes; }
 
 namespace {
 
@@ -358,39 +381,102 @@ MHC_INLINE void load16(Lanes16* v, const float* p) {
   *v = *reinterpret_cast<const simd::UnalignedLanes16*>(p);
 }
 
-// The 16 lanes' sum in one fixed order (halving: lane i + lane i + 8, then + 4, + 2, + 1).
-MHC_INLINE float sum16(const Lanes16* v) {
-  const Lanes16& a = *v;
-  float h8[8], h4[4];
-  for (int i = 0; i < 8; ++i) h8[i] = a[i] + a[i + 8];
-  for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
-  return (h4[0] + h4[2]) + (h4[1] + h4[3]);
+// The 16 lanes' sums of K vectors (K <= 16), each in one fixed order: out[j] = ((h[0] + h[2]) +
+// (h[1] + h[3])) with h[i] = (v[j][i] + v[j][i + 8]) + (v[j][i + 4] + v[j][i + 12]), i.e. halving:
+// lane i + lane i + 8, then + 4, + 2, + 1. The adds of the 16 vectors' trees run side by side, a
+// round of shuffles and vector adds per level (four levels, 15 vector adds), where one vector's
+// sum alone took 15 scalar adds: the per-block sums were as many instructions as the narrow
+// projection's FMAs. Missing vectors (j >= K) are zeros, which never meet a present vector's lanes.
+template <int K>
+MHC_INLINE void sum16_each(const Lanes16* v, float* out) {
+  static_assert(K >= 1 && K <= 16, "at most 16 vectors");
+  if constexpr (K == 1) {  // one vector: the same tree in scalar adds, fewer instructions
+    const Lanes16& a = *v;
+    float h8[8], h4[4];
+    for (int i = 0; i < 8; ++i) h8[i] = a[i] + a[i + 8];
+    for (int i = 0; i < 4; ++i) h4[i] = h8[i] + h8[i + 4];
+    out[0] = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+    return;
+  }
+  Lanes16 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = j < K ? v[j] : Lanes16{};
+  // Level 1: u[k] = [h8 of a[2k] | h8 of a[2k + 1]], h8[i] = lane i + lane i + 8.
+  Lanes16 u[8];
+  for (int k = 0; k < 8; ++k) {
+    const Lanes16 lo = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
+                                               17, 18, 19, 20, 21, 22, 23);
+    const Lanes16 hi = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                               24, 25, 26, 27, 28, 29, 30, 31);
+    u[k] = lo + hi;
+  }
+  // Level 2: w[k] = the h4 of vectors 4k .. 4k + 3, four lanes each, h4[i] = h8[i] + h8[i + 4].
+  Lanes16 w[4];
+  for (int k = 0; k < 4; ++k) {
+    const Lanes16 lo = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
+                                               17, 18, 19, 24, 25, 26, 27);
+    const Lanes16 hi = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15,
+                                               20, 21, 22, 23, 28, 29, 30, 31);
+    w[k] = lo + hi;
+  }
+  // Level 3: z[k] = (h4[0] + h4[2], h4[1] + h4[3]) of vectors 8k .. 8k + 7.
+  Lanes16 z[2];
+  for (int k = 0; k < 2; ++k) {
+    const Lanes16 lo = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
+                                               17, 20, 21, 24, 25, 28, 29);
+    const Lanes16 hi = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15,
+                                               18, 19, 22, 23, 26, 27, 30, 31);
+    z[k] = lo + hi;
+  }
+  // Level 4: the two halves of each pair.
+  const Lanes16 even = __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
+                                               22, 24, 26, 28, 30);
+  const Lanes16 odd = __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
+                                              25, 27, 29, 31);
+  const Lanes16 sums = even + odd;
+  for (int j = 0; j < K; ++j) out[j] = sums[j];
 }
 
-// Each token's f32 sum of squares over one block of rows of x (rows <= kProjectionBlock): lane l
-// of 16 sums the rows l mod 16 in order, the lanes are added by sum16, then the scalar tail in
-// order. At most 8 positive terms per lane, so the block sum is within a few ulps; the blocks are
-// added in double as the projection's are. The narrow projection below computes the same sums
-// from the same loads.
-MHC_INLINE float block_squares(const float* x, int64_t rows) {
-  Lanes16 acc = {};
+// Each of G tokens' f32 sum of squares over one block of rows of x (rows <= kProjectionBlock,
+// token rows `stride` apart): lane l of 16 sums the rows l mod 16 in order, the lanes are added
+// by sum16_each, then the scalar tail in order. At most 8 positive terms per lane, so the block
+// sum is within a few ulps; the blocks are added in double as the projection's are. The narrow
+// projection below computes the same sums from the same loads.
+template <int G>
+MHC_INLINE void block_squares_group(const float* x, int64_t stride, int64_t rows, float* squares) {
+  Lanes16 acc[G] = {};
   int64_t m = 0;
   for (; m + kLanes16 <= rows; m += kLanes16) {
-    Lanes16 v;
-    load16(&v, x + m);
-    acc += v * v;
+    for (int g = 0; g < G; ++g) {
+      Lanes16 v;
+      load16(&v, x + g * stride + m);
+      acc[g] += v * v;
+    }
   }
-  float tail = 0.0f;
-  for (; m < rows; ++m) tail += x[m] * x[m];
-  return sum16(&acc) + tail;
+  float totals[G];
+  sum16_each<G>(acc, totals);
+  for (int g = 0; g < G; ++g) {
+    const float* xg = x + g * stride;
+    float tail = 0.0f;
+    for (int64_t r = m; r < rows; ++r) tail += xg[r] * xg[r];
+    squares[g] = totals[g] + tail;
+  }
+}
+
+// block_squares_group over `tokens` tokens, one at a time (four at a time saved nothing on the
+// AVX-512 path and cost the 8-lane one 3%: M = 16384, N = 24, 16 tokens in cache).
+MHC_INLINE void block_squares(const float* x, int64_t stride, int64_t tokens, int64_t rows,
+                              float* squares) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    block_squares_group<1>(x + t * stride, stride, rows, squares + t);
+  }
 }
 
 // The projection of a narrow W (N <= 8: the head's N = n, and small n) as dot products along the
 // rows: lanes over m, one accumulator per token and column, so no lane is padding. TB tokens from
 // x (rows `stride` apart) over one block of `rows` rows of Wt, the block of W transposed and
-// folded ([N][kProjectionBlock]). The block sum of column c is sum16 of its lanes (lane l summing
-// the rows l mod 16 in order) plus the scalar tail, the same whatever TB or the instance; each
-// token's sum of squares comes from the same loads, as block_squares computes it.
+// folded ([N][kProjectionBlock]). The block sum of column c is the halving sum of its lanes (lane l
+// summing the rows l mod 16 in order) plus the scalar tail, the same whatever TB or the instance;
+// each token's sum of squares comes from the same loads, as block_squares computes it.
 template <int TB, int NC>
 MHC_INLINE void project_narrow_tokens(const float* x, int64_t stride, const float* Wt, int64_t NP,
                                       int64_t rows, float* sums, float* squares) {
@@ -409,15 +495,18 @@ MHC_INLINE void project_narrow_tokens(const float* x, int64_t stride, const floa
       for (int t = 0; t < TB; ++t) acc[t][c] += xv[t] * w;
     }
   }
+  float totals[TB * NC], square_totals[TB];
+  sum16_each<TB * NC>(&acc[0][0], totals);
+  sum16_each<TB>(sq, square_totals);
   for (int t = 0; t < TB; ++t) {
     const float* xt = x + t * stride;
     float tail = 0.0f;
     for (int64_t r = m; r < rows; ++r) tail += xt[r] * xt[r];
-    squares[t] = sum16(&sq[t]) + tail;
+    squares[t] = square_totals[t] + tail;
     for (int c = 0; c < NC; ++c) {
       float column_tail = 0.0f;
       for (int64_t r = m; r < rows; ++r) column_tail += xt[r] * Wt[c * kProjectionBlock + r];
-      sums[t * NP + c] = sum16(&acc[t][c]) + column_tail;
+      sums[t * NP + c] = totals[t * NC + c] + column_tail;
     }
   }
 }
@@ -500,7 +589,7 @@ MHC_CLONES void project_blocks_at(const float* x, int64_t stride, int64_t tokens
       }
       continue;
     }
-    for (int64_t t = 0; t < tokens; ++t) block_sq[t] = block_squares(xb + t * stride, rows);
+    block_squares(xb, stride, tokens, rows, block_sq);
     if (N >= kLanes16 && wide_projection()) {
       project_block_avx512(xb, tokens, stride, w.norm_weight + m0, w.phi + m0 * N, N, NP, rows,
                            out);
@@ -590,8 +679,8 @@ void project_blocks(const float* x, int64_t tokens, const FoldedWeight& w, int64
                     sums, squares);
 }
 
-void add_block_sums(const float* sums, const float* squares, int64_t blocks, int64_t tokens,
-                    int64_t NP, double* wide, double* wide_squares) {
+MHC_CLONES void add_block_sums(const float* sums, const float* squares, int64_t blocks,
+                               int64_t tokens, int64_t NP, double* wide, double* wide_squares) {
   const int64_t count = tokens * NP;
   for (int64_t b = 0; b < blocks; ++b) {
     const float* block = sums + b * count;

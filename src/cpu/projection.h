@@ -40,8 +40,9 @@ inline constexpr int64_t kWeightGradBlock = 64;
 // the same numbers: every output sums the same products in the same order.
 bool wide_projection();
 
-// N rounded up to whole vectors of the projection kernels (16 or 8 lanes): the row stride of the
-// projection block sums.
+// N rounded up to whole 8-lane vectors: the row stride of the projection block sums (the 16-lane
+// kernels end a row in an 8-lane vector or in one that overlaps the one before, so they need no
+// more).
 int64_t padded_width(int64_t N);
 
 // Block sums of the projection for the blocks [block_begin, block_end) of kProjectionBlock rows:
