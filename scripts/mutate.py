@@ -348,7 +348,13 @@ MUTATIONS = (
     Mutation(
         "collapse_first_token_mix",
         "the V4.1 collapse mixes every token with the first token's carried weights",
-        (Edit("src/cpu/collapse.cc", "mix.row(t, n, nullptr), D, ot);", "mix.row(0, n, nullptr), D, ot);"),),
+        (
+            Edit(
+                "src/cpu/collapse.cc",
+                "mix.row(t, n, nullptr), D, out + t * D);",
+                "mix.row(0, n, nullptr), D, out + t * D);",
+            ),
+        ),
     ),
     Mutation(
         "tpu_projection_default_precision",
