@@ -20,7 +20,14 @@ from jax.experimental.pallas import tpu as pltpu
 import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
-from conftest import assert_matches, random_numpy_params, random_params, relative_error, round_by_one_unit
+from conftest import (
+    F32_REROUNDING_BOUND,
+    assert_matches,
+    random_numpy_params,
+    random_params,
+    relative_error,
+    round_by_one_unit,
+)
 from mhc.tpu.testing import interpret_on_cpu
 from test_tpu_kernels import CUSTOM, INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _tolerance
 
@@ -280,7 +287,9 @@ def test_a_v41_chain_on_the_tpu_path_matches_the_cpu_kernels(seed):
         got = jax.tree.leaves(run(x, layers))
     for index, (a, b) in enumerate(zip(got, want, strict=True)):
         error = relative_error(a, b)
-        assert error <= 1e-5, f"leaf {index} of (loss, dx, dparams): relative error {error:.3g} (seed {seed})"
+        # Two f32 evaluations (the TPU path's, the CPU kernels'), each within the spec's bound.
+        bound = F32_REROUNDING_BOUND
+        assert error <= bound, f"leaf {index} of (loss, dx, dparams): relative error {error:.3g} (seed {seed})"
 
 
 def test_the_v41_api_exports_for_tpu_with_mosaic_kernels_only():

@@ -21,7 +21,7 @@ from flax import nnx
 
 import mhc.jax as mj
 import mhc.tpu
-from conftest import random_params, relative_error, sublayer_values
+from conftest import F32_REROUNDING_BOUND, random_params, relative_error, sublayer_values
 from mhc.flax import ManifoldConstrainedHyperConnections
 from mhc.jax import _kernels
 from mhc.models import ModelConfig, Transformer
@@ -32,7 +32,10 @@ CASES = [(4, 130, 37, "sinkhorn", jnp.float32), (3, 1, 5, "permutations", jnp.bf
 
 
 def _tolerance(dtype) -> float:
-    return 1e-2 if dtype == jnp.bfloat16 else 1e-5  # spec: Accuracy
+    # Two evaluations, the TPU path's and the CPU kernels', each within the spec's bound of the
+    # exact value (spec: Accuracy): f32 within twice it of each other (the head's dphi read 1.3e-5
+    # at seed 1502403064).
+    return 1e-2 if dtype == jnp.bfloat16 else F32_REROUNDING_BOUND
 
 
 def _tpu_has(*targets) -> bool:
