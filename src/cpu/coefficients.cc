@@ -154,7 +154,7 @@ inline Pair lows(Pair a, Pair b) { return __builtin_shufflevector(a, b, 0, 2); }
 inline Pair highs(Pair a, Pair b) { return __builtin_shufflevector(a, b, 1, 3); }
 
 // The sums of rows i and i + 1, each ((m_i0 + m_i1) + m_i2) + m_i3 as the generic loops add.
-inline Pair row_sums(const Pair* m, int i) {
+inline Pair row_sums(const Pair* m, int64_t i) {
   const Pair left = m[2 * i], right = m[2 * i + 1], next_left = m[2 * i + 2],
              next_right = m[2 * i + 3];
   return ((lows(left, next_left) + highs(left, next_left)) + lows(right, next_right)) +
@@ -162,7 +162,7 @@ inline Pair row_sums(const Pair* m, int i) {
 }
 
 // Rows i and i + 1 of m times the two lanes of `by`: row i by by[0], row i + 1 by by[1].
-inline void scale_rows(Pair* m, int i, Pair by) {
+inline void scale_rows(Pair* m, int64_t i, Pair by) {
   const Pair first = lows(by, by), second = highs(by, by);
   m[2 * i] *= first;
   m[2 * i + 1] *= first;
@@ -173,11 +173,11 @@ inline void scale_rows(Pair* m, int i, Pair by) {
 void sinkhorn_forward_4(const SinkhornBuffers& b, float* h_res) {
   const Pair eps = {b.eps, b.eps};
   Pair y[8];
-  for (int k = 0; k < 8; ++k) y[k] = load_pair(b.softmax + 2 * k) + eps;
+  for (int64_t k = 0; k < 8; ++k) y[k] = load_pair(b.softmax + 2 * k) + eps;
   double* steps = b.steps;
   double* inverses = b.inverses;
   auto keep = [&](Pair q_first, Pair q_second) {
-    for (int k = 0; k < 8; ++k) store_pair(steps + 2 * k, y[k]);
+    for (int64_t k = 0; k < 8; ++k) store_pair(steps + 2 * k, y[k]);
     store_pair(inverses, q_first);
     store_pair(inverses + 2, q_second);
     steps += 16;
@@ -186,7 +186,7 @@ void sinkhorn_forward_4(const SinkhornBuffers& b, float* h_res) {
   auto column_step = [&] {
     const Pair q_left = 1.0 / ((((y[0] + y[2]) + y[4]) + y[6]) + eps);
     const Pair q_right = 1.0 / ((((y[1] + y[3]) + y[5]) + y[7]) + eps);
-    for (int i = 0; i < 4; ++i) {
+    for (int64_t i = 0; i < 4; ++i) {
       y[2 * i] *= q_left;
       y[2 * i + 1] *= q_right;
     }
@@ -204,7 +204,7 @@ void sinkhorn_forward_4(const SinkhornBuffers& b, float* h_res) {
     row_step();
     column_step();
   }
-  for (int k = 0; k < 8; ++k) {
+  for (int64_t k = 0; k < 8; ++k) {
     h_res[2 * k] = static_cast<float>(y[k][0]);
     h_res[2 * k + 1] = static_cast<float>(y[k][1]);
   }
@@ -212,9 +212,9 @@ void sinkhorn_forward_4(const SinkhornBuffers& b, float* h_res) {
 
 void sinkhorn_backward_4(const SinkhornBuffers& b, const float* dh_res, double* dlogits) {
   Pair g[8], products[8];
-  for (int k = 0; k < 8; ++k) g[k] = Pair{dh_res[2 * k], dh_res[2 * k + 1]};
+  for (int64_t k = 0; k < 8; ++k) g[k] = Pair{dh_res[2 * k], dh_res[2 * k + 1]};
   auto multiply = [&](const double* y) {
-    for (int k = 0; k < 8; ++k) products[k] = g[k] * load_pair(y + 2 * k);
+    for (int64_t k = 0; k < 8; ++k) products[k] = g[k] * load_pair(y + 2 * k);
   };
   for (int64_t step = 2 * b.iters - 2;; step -= 2) {
     // The column step `step`.
@@ -223,14 +223,14 @@ void sinkhorn_backward_4(const SinkhornBuffers& b, const float* dh_res, double* 
     const Pair dots_right = ((products[1] + products[3]) + products[5]) + products[7];
     const Pair q_left = load_pair(b.inverses + step * 4),
                q_right = load_pair(b.inverses + step * 4 + 2);
-    for (int i = 0; i < 4; ++i) {
+    for (int64_t i = 0; i < 4; ++i) {
       g[2 * i] = (g[2 * i] - dots_left) * q_left;
       g[2 * i + 1] = (g[2 * i + 1] - dots_right) * q_right;
     }
     if (step == 0) break;
     // The row step before it.
     multiply(b.steps + (step - 1) * 16);
-    for (int i = 0; i < 4; i += 2) {
+    for (int64_t i = 0; i < 4; i += 2) {
       const Pair dots = row_sums(products, i), q = load_pair(b.inverses + (step - 1) * 4 + i);
       const Pair dot_first = lows(dots, dots), dot_second = highs(dots, dots);
       const Pair q_first = lows(q, q), q_second = highs(q, q);
@@ -242,11 +242,11 @@ void sinkhorn_backward_4(const SinkhornBuffers& b, const float* dh_res, double* 
   }
   // The row softmax: dlogits = s * (g - dot(g, s)) per row.
   multiply(b.softmax);
-  for (int i = 0; i < 4; i += 2) {
+  for (int64_t i = 0; i < 4; i += 2) {
     const Pair dots = row_sums(products, i);
     const Pair dot_first = lows(dots, dots), dot_second = highs(dots, dots);
-    for (int half = 0; half < 2; ++half) {
-      const int first = 2 * i + half, second = 2 * i + 2 + half;
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t first = 2 * i + half, second = 2 * i + 2 + half;
       store_pair(dlogits + 2 * first, load_pair(b.softmax + 2 * first) * (g[first] - dot_first));
       store_pair(dlogits + 2 * second,
                  load_pair(b.softmax + 2 * second) * (g[second] - dot_second));

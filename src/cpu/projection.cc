@@ -68,7 +68,7 @@ template <class V, int TB, int CB, bool kTail>
 MHC_INLINE void project_block_direct(const float* x, int64_t M, const float* norm_weight,
                                      const float* phi, int64_t N, int64_t NP, int64_t rows,
                                      const int64_t* starts, float* sums) {
-  constexpr int kVectors = CB > 0 ? CB : 1;  // no zero-length arrays; unused when CB = 0
+  constexpr int kVectors = std::max(CB, 1);  // no zero-length arrays; unused when CB = 0
   V acc[TB][kVectors] = {};
   Lanes8 tail[TB] = {};
   for (int64_t m = 0; m < rows; ++m) {
@@ -399,10 +399,10 @@ MHC_INLINE void sum16_each(const Lanes16* v, float* out) {
     return;
   }
   Lanes16 a[16];
-  for (int j = 0; j < 16; ++j) a[j] = j < K ? v[j] : Lanes16{};
+  for (int64_t j = 0; j < 16; ++j) a[j] = j < K ? v[j] : Lanes16{};
   // Level 1: u[k] = [h8 of a[2k] | h8 of a[2k + 1]], h8[i] = lane i + lane i + 8.
   Lanes16 u[8];
-  for (int k = 0; k < 8; ++k) {
+  for (int64_t k = 0; k < 8; ++k) {
     const Lanes16 lo = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
                                                17, 18, 19, 20, 21, 22, 23);
     const Lanes16 hi = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15,
@@ -411,7 +411,7 @@ MHC_INLINE void sum16_each(const Lanes16* v, float* out) {
   }
   // Level 2: w[k] = the h4 of vectors 4k .. 4k + 3, four lanes each, h4[i] = h8[i] + h8[i + 4].
   Lanes16 w[4];
-  for (int k = 0; k < 4; ++k) {
+  for (int64_t k = 0; k < 4; ++k) {
     const Lanes16 lo = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16,
                                                17, 18, 19, 24, 25, 26, 27);
     const Lanes16 hi = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15,
@@ -420,7 +420,7 @@ MHC_INLINE void sum16_each(const Lanes16* v, float* out) {
   }
   // Level 3: z[k] = (h4[0] + h4[2], h4[1] + h4[3]) of vectors 8k .. 8k + 7.
   Lanes16 z[2];
-  for (int k = 0; k < 2; ++k) {
+  for (int64_t k = 0; k < 2; ++k) {
     const Lanes16 lo = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16,
                                                17, 20, 21, 24, 25, 28, 29);
     const Lanes16 hi = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15,
@@ -433,7 +433,7 @@ MHC_INLINE void sum16_each(const Lanes16* v, float* out) {
   const Lanes16 odd = __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23,
                                               25, 27, 29, 31);
   const Lanes16 sums = even + odd;
-  for (int j = 0; j < K; ++j) out[j] = sums[j];
+  for (int64_t j = 0; j < K; ++j) out[j] = sums[j];
 }
 
 // Each of G tokens' f32 sum of squares over one block of rows of x (rows <= kProjectionBlock,

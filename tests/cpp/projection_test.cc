@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
@@ -21,6 +22,13 @@ namespace mhc {
 namespace {
 
 constexpr int64_t kBlock = 128;  // kProjectionBlock
+
+// A float's bits, so NaNs and signed zeros compare exactly.
+uint32_t bits(float value) {
+  uint32_t out;
+  std::memcpy(&out, &value, sizeof(out));
+  return out;
+}
 
 // The 16 lanes' sum in the kernels' fixed order (lane i + lane i + 8, then + 4, then the pairs).
 float halving_sum(const float* lanes) {
@@ -115,7 +123,7 @@ TEST_P(ProjectionOrder, SameBitsAsTheScalarLoop) {
               expected_row(x.data() + t * M, norm_weight.data(), phi.data(), M, N);
           for (int64_t c = 0; c <= N; ++c) {
             const float got = partials[static_cast<size_t>(t * (N + 1) + c)];
-            ASSERT_EQ(std::memcmp(&got, &want[c], sizeof(float)), 0)
+            ASSERT_EQ(bits(got), bits(want[c]))
                 << "column " << c << (c == N ? " (sum of squares)" : "") << " of token " << t
                 << ": " << got << " instead of " << want[c] << " (T=" << T << ", "
                 << to_string(dtype) << ", " << threads << " threads)";
