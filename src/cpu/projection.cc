@@ -4,6 +4,7 @@
 #include "projection.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <type_traits>
 #include <vector>
@@ -457,7 +458,7 @@ MHC_INLINE void block_squares_group(const float* x, int64_t stride, int64_t rows
   for (int g = 0; g < G; ++g) {
     const float* xg = x + g * stride;
     float tail = 0.0f;
-    for (int64_t r = m; r < rows; ++r) tail += xg[r] * xg[r];
+    for (int64_t r = m; r < rows; ++r) tail = std::fma(xg[r], xg[r], tail);
     squares[g] = totals[g] + tail;
   }
 }
@@ -477,6 +478,9 @@ MHC_INLINE void block_squares(const float* x, int64_t stride, int64_t tokens, in
 // folded ([N][kProjectionBlock]). The block sum of column c is the halving sum of its lanes (lane l
 // summing the rows l mod 16 in order) plus the scalar tail, the same whatever TB or the instance;
 // each token's sum of squares comes from the same loads, as block_squares computes it.
+// The scalar tails are explicit FMAs (std::fma), not a*b+c left to -ffp-contract: on an AVX2-only
+// EPYC, GCC 12's x86-64-v3 clone left the N = 8 tails unfused, a few ulps off the 16-lane
+// instance and projection_test's order (2026-12-06); the same in block_squares_group.
 template <int TB, int NC>
 MHC_INLINE void project_narrow_tokens(const float* x, int64_t stride, const float* Wt, int64_t NP,
                                       int64_t rows, float* sums, float* squares) {
@@ -501,11 +505,13 @@ MHC_INLINE void project_narrow_tokens(const float* x, int64_t stride, const floa
   for (int t = 0; t < TB; ++t) {
     const float* xt = x + t * stride;
     float tail = 0.0f;
-    for (int64_t r = m; r < rows; ++r) tail += xt[r] * xt[r];
+    for (int64_t r = m; r < rows; ++r) tail = std::fma(xt[r], xt[r], tail);
     squares[t] = square_totals[t] + tail;
     for (int c = 0; c < NC; ++c) {
       float column_tail = 0.0f;
-      for (int64_t r = m; r < rows; ++r) column_tail += xt[r] * Wt[c * kProjectionBlock + r];
+      for (int64_t r = m; r < rows; ++r) {
+        column_tail = std::fma(xt[r], Wt[c * kProjectionBlock + r], column_tail);
+      }
       sums[t * NP + c] = totals[t * NC + c] + column_tail;
     }
   }
