@@ -13,6 +13,7 @@ jax.shard_map with tokens and D split (tensor_axis).
 """
 
 import functools
+import math
 import os
 import re
 import sys
@@ -28,7 +29,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import mhc.jax as mj  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import random_params, relative_error  # noqa: E402
+import numpy_reference  # noqa: E402
+from conftest import assert_matches, random_params, relative_error, round_by_one_unit  # noqa: E402
 
 N_STREAMS, D = 4, 32
 SHAPE = (8, 6, N_STREAMS, D)  # [batch, seq, n, D]: 48 tokens
@@ -420,6 +422,144 @@ def check_shard_map(dtype, seed, layouts=tuple(SHARD_MAP_LAYOUTS), check_vma=Tru
             print(f"ok: {name}")
 
 
+# DeepSeek-V4.1's carried mix as a shard_map input with D split: (mesh shape, axis names, x's
+# token entry); D always over "tensor". 2 and 4 devices, and tokens x D on all 8.
+CARRIED_MESHES = {
+    "D over 2": ((2,), ("tensor",), None),
+    "D over 4": ((4,), ("tensor",), None),
+    "tokens+D": ((2, 4), ("data", "tensor"), "data"),
+}
+CARRIED_CONFIG = mj.Config(n=N_STREAMS, pre_from_previous=True, sinkhorn_iters=4)
+
+
+def _carried_oracle(program, inputs, cotangents, noise=None):
+    """The float64 oracle of one carried program (numpy_reference), as a dict by name.
+    "pre": pre(carried=) -> post(u); "streams": sublayer(Streams(x, carried), h -> h + u) ->
+    streams(), i.e. layer_out = layer_in + u, so dlayer_in = dlayer_out; "collapse"."""
+    if program == "collapse":
+        x, carried = inputs
+        return dict(
+            zip(("out", "dx", "dcarried"), numpy_reference.collapse_values(x, carried, cotangents[0]), strict=True)
+        )
+    x, carried, u, params = inputs
+    if program == "pre":
+        values = numpy_reference.carried_values(x, u, params, CARRIED_CONFIG, carried, *cotangents, noise)
+        values["du"] = values.pop("dlayer_out")
+        return values
+    dout, dh_pre = cotangents
+    zero = np.zeros(np.shape(u))
+    first = numpy_reference.carried_values(x, u, params, CARRIED_CONFIG, carried, zero, dh_pre, dout, noise)
+    layer_out = first["layer_in"] + np.asarray(u, np.float64)
+    dlayer_out = first["dlayer_out"]  # h_post g: independent of layer_out and dlayer_in
+    values = numpy_reference.carried_values(
+        x, layer_out, params, CARRIED_CONFIG, carried, dlayer_out, dh_pre, dout, noise
+    )
+    names = ("out", "h_pre", "dx", "dcarried", "dnorm_weight", "dphi", "dalpha", "dbias")
+    return {"du": values["dlayer_out"], **{name: values[name] for name in names}}
+
+
+def check_carried_shard_map(seed):
+    """V4.1 inside jax.shard_map with D split over 2, 4 and (with the tokens) 8 devices, the
+    carried mix a shard_map input (replicated over the tensor axis): pre(carried=) -> post,
+    Streams(x, carried) into a sublayer, collapse(Streams(x, carried)). Values and every gradient
+    against the float64 oracle (conftest.assert_matches), f32 and bf16, with shard_map's check_vma
+    and (f32) without: dcarried is summed over the devices once (it was P times too large)."""
+    config, n = CARRIED_CONFIG, N_STREAMS
+    keys = jax.random.split(jax.random.key(seed + 8), 8)
+    lead = (4, 3)
+    carried = jax.nn.sigmoid(2.0 * jax.random.normal(keys[1], (*lead, n))) + 1e-6
+    params = random_params(keys[2], config, D)
+
+    def pre_program(tensor_axis, x, carried, u, params):
+        layer_in, ctx = mj.pre(x, params, config, carried=carried, tensor_axis=tensor_axis)
+        return layer_in, ctx.h_pre[None], mj.post(u, ctx)
+
+    def streams_program(tensor_axis, x, carried, u, params):
+        state = mj.sublayer(mj.Streams(x, carried), params, config, lambda h: h + u, tensor_axis=tensor_axis)
+        after = mj.streams(state)
+        return after.x, after.carried[None]
+
+    def collapse_program(tensor_axis, x, carried):
+        return (mj.collapse(mj.Streams(x, carried), tensor_axis=tensor_axis),)
+
+    cases = [(dtype, True) for dtype in (jnp.float32, jnp.bfloat16)] + [(jnp.float32, False)]
+    for dtype, check_vma in cases:
+        x = jax.random.normal(keys[0], (*lead, n, D)).astype(dtype)
+        u = jax.random.normal(keys[3], (*lead, D)).astype(dtype)
+        dli = jax.random.normal(keys[4], (*lead, D)).astype(dtype)
+        dh_pre = jax.random.normal(keys[5], (*lead, n))
+        dout = jax.random.normal(keys[6], (*lead, n, D)).astype(dtype)
+        dcollapse = jax.random.normal(keys[7], (*lead, D)).astype(dtype)
+        programs_ = {
+            "pre": (pre_program, (x, carried, u, params), (dli, dh_pre, dout)),
+            "streams": (streams_program, (x, carried, u, params), (dout, dh_pre)),
+            "collapse": (collapse_program, (x, carried), (dcollapse,)),
+        }
+        for label, (mesh_shape, names, tokens) in CARRIED_MESHES.items():
+            devices = math.prod(mesh_shape)
+            mesh = Mesh(np.array(jax.devices()[:devices]).reshape(mesh_shape), names)
+            slices = mesh.shape["tensor"]
+            x_spec, carried_spec, d_spec = P(tokens, None, None, "tensor"), P(tokens), P(tokens, None, "tensor")
+            # h_pre is typed as varying over the tensor axis: it comes out as one copy per device.
+            stacked_spec = P("tensor", tokens)
+            specs = {
+                "pre": ((x_spec, carried_spec, d_spec, P()), (d_spec, stacked_spec, x_spec)),
+                "streams": ((x_spec, carried_spec, d_spec, P()), (x_spec, stacked_spec)),
+                "collapse": ((x_spec, carried_spec), (d_spec,)),
+            }
+            for what, (program, inputs, cotangents) in programs_.items():
+                in_specs, out_specs = specs[what]
+                sharded = jax.shard_map(
+                    functools.partial(program, "tensor"),
+                    mesh=mesh,
+                    in_specs=in_specs,
+                    out_specs=out_specs,
+                    check_vma=check_vma,
+                )
+                # The cotangent of the stacked h_pre on the first copy only: the loss sees h_pre once.
+                given = tuple(
+                    jnp.zeros((slices, *c.shape), c.dtype).at[0].set(c) if c is dh_pre else c for c in cotangents
+                )
+                outputs, grads = jax.jit(functools.partial(_values_and_vjp, sharded))(inputs, given)
+                names_ = {
+                    "pre": ("layer_in", "h_pre", "out", "dx", "dcarried", "du", "dparams"),
+                    "streams": ("out", "h_pre", "dx", "dcarried", "du", "dparams"),
+                    "collapse": ("out", "dx", "dcarried"),
+                }[what]
+                got = dict(zip(names_, (*outputs, *grads), strict=True))
+                if "h_pre" in got:
+                    copies = got.pop("h_pre")
+                    for copy in range(slices):
+                        got[f"h_pre copy {copy}"] = copies[copy]
+                if "dparams" in got:
+                    got.update(zip(("dnorm_weight", "dphi", "dalpha", "dbias"), got.pop("dparams"), strict=True))
+                want = _carried_oracle(what, _float64(inputs), _float64(cotangents))
+                name = f"shard_map V4.1 {what}, {label} {jnp.dtype(dtype).name}" + (
+                    "" if check_vma else " check_vma=False"
+                )
+                for key, value in got.items():
+                    oracle_name = key.split(" copy")[0]
+
+                    def perturbed(rng, oracle_name=oracle_name, inputs=inputs, what=what, cotangents=cotangents):
+                        moved = tuple(round_by_one_unit(rng, v) for v in inputs)
+                        noise = None if what == "collapse" else rng
+                        return _carried_oracle(what, moved, _float64(cotangents), noise)[oracle_name]
+
+                    f32_output = oracle_name in ("h_pre",) or (oracle_name == "dcarried" and what == "collapse")
+                    tolerance = TOLERANCE[jnp.float32] if f32_output else TOLERANCE[dtype]
+                    assert_matches(f"{name}: {key}", value, want[oracle_name], tolerance, perturbed, f"(seed {seed})")
+                print(f"ok: {name}")
+
+
+def _float64(values):
+    return tuple(v if isinstance(v, mj.Params) else np.asarray(jnp.asarray(v, jnp.float32), np.float64) for v in values)
+
+
+def _values_and_vjp(function, inputs, cotangents):
+    outputs, vjp = jax.vjp(function, *inputs)
+    return outputs, vjp(tuple(c.astype(o.dtype) for c, o in zip(cotangents, outputs, strict=True)))
+
+
 def check_shard_map_errors():
     """Inside shard_map with D split: without tensor_axis an mhc error names it; the D slice of
     the parameters, an axis that is not the mesh's, and the plain path with tensor_axis are refused."""
@@ -542,6 +682,9 @@ if __name__ == "__main__":
     jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
     if sys.argv[3:] == ["padded-rows"]:  # test_sharding.py runs these on their own
         check_padded_rows_hold_values(seed)
+        sys.exit(0)
+    if sys.argv[3:] == ["carried"]:
+        check_carried_shard_map(seed)
         sys.exit(0)
     # GSPMD (deprecated in JAX, kept while this jax has it) runs every layout and check once, for
     # Sinkhorn in f32; Shardy, the default, runs both mixes and both dtypes.

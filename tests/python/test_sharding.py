@@ -44,6 +44,15 @@ def test_padded_rows_stay_out_of_parameter_gradients(seed, partitioner):
     assert output.count("ok:") == 3, output
 
 
+def test_carried_mix_inside_shard_map_with_d_split(seed):
+    """DeepSeek-V4.1's carried mix as a shard_map input, D split over 2, 4 and (tokens x D) 8
+    devices: pre(carried=), Streams into a sublayer and collapse, against the float64 oracle, f32
+    and bf16, with and without check_vma (its own subprocess: quick, for scripts/mutate.py). No
+    partitioner runs inside shard_map, so once."""
+    output = _run_cases(seed, "shardy", "carried")
+    assert output.count("ok:") == 27, output  # 3 programs x 3 meshes x (f32, bf16, f32 without check_vma)
+
+
 def test_every_custom_call_has_a_partitioning_rule():
     """A new FFI target must be called from a partitioned operation (mhc.jax._kernels.OPERATIONS),
     or plain jit on sharded arrays would gather its operands and run it replicated."""
