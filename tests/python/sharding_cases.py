@@ -285,6 +285,105 @@ def check_sharded_parameters(seed):
     print("ok: parameters sharded on D")
 
 
+def _fsdp(params, mesh, axis):
+    """The parameters with norm_weight's and phi's rows (n*D) sharded over ``axis`` (FSDP)."""
+    return params._replace(
+        norm_weight=jax.device_put(params.norm_weight, NamedSharding(mesh, P(axis))),
+        phi=jax.device_put(params.phi, NamedSharding(mesh, P(axis, None))),
+    )
+
+
+def _dims(element: str) -> list:
+    """The dimensions of an HLO element shape such as f32[7,5,4,32]."""
+    return [int(size) for size in re.findall(r"\d+", element.split("[", 1)[1])]
+
+
+def check_fsdp_parameters(seed):
+    """FSDP: the parameters' rows sharded over a mesh axis that x does not use. Under jit the
+    compiled programs hold the all-reduces of the same program with replicated parameters, and
+    beyond them only collectives of the parameters (n*D x (N+1) values, gathered or moved to the
+    devices' D slices): no activation moves (the partitioner once carried the parameters'
+    sharding onto x, then gathered x-sized arrays twice per sublayer). Results: the bits of the
+    replicated-parameter run (the same kernels on the same shards), whose own results the layout
+    checks hold to one device; pre -> post's values and gradients also against the float64
+    oracle (conftest.assert_matches)."""
+    # Tokens [14, 5]: every dimension of an activation on a device (7 or 14 rows, 5 positions, or
+    # their products) divides by 5 or 7; no dimension of the parameters (n = 4, D = 32 and its
+    # slices, N = 24) does. So a collective with such a dimension moves an activation.
+    shape = (14, 5, N_STREAMS, D)
+    config, x, params, _, _ = inputs("sinkhorn", jnp.float32, seed, shape)
+    keys = jax.random.split(jax.random.key(seed + 9), 5)
+    layer_out = jax.random.normal(keys[0], shape[:-2] + shape[-1:])
+    cotangents = (jax.random.normal(keys[1], layer_out.shape), jax.random.normal(keys[2], shape))
+    layers = [random_params(key, config, D) for key in jax.random.split(keys[3], 2)]
+    w = jax.random.normal(keys[4], shape)
+
+    def pre_post(x, layer_out, params, cotangents):
+        def f(x, layer_out, params):
+            layer_in, ctx = mj.pre(x, params, config)
+            return layer_in, mj.post(layer_out, ctx)
+
+        outputs, vjp = jax.vjp(f, x, layer_out, params)
+        return outputs, vjp(cotangents)
+
+    def chain(x, layers):
+        def loss(x, layers):
+            state = x
+            for params in layers:
+                state = mj.sublayer(state, params, config, lambda h: jnp.tanh(h) + 0.5)
+            return jnp.sum(jnp.square(mj.finish(state) - w))
+
+        return jax.grad(loss, argnums=(0, 1))(x, layers)
+
+    meshes = {
+        # label: (mesh shape, axis names, x's spec); the parameters' rows over "fsdp"
+        "tokens": ((2, 4), ("data", "fsdp"), P("data")),
+        "tokens+D": ((2, 2, 2), ("data", "tensor", "fsdp"), P("data", None, None, "tensor")),
+    }
+    for label, (mesh_shape, names, spec) in meshes.items():
+        mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        runs = {
+            "pre/post": (pre_post, (xs, layer_out, params, cotangents)),
+            "sublayer chain": (chain, (xs, layers)),
+        }
+        for what, (program, args) in runs.items():
+            name = f"FSDP {what}, {label} (parameters over fsdp)"
+            fsdp_args = tuple(
+                _fsdp(a, mesh, "fsdp")
+                if isinstance(a, mj.Params)
+                else [_fsdp(p, mesh, "fsdp") for p in a]
+                if isinstance(a, list)
+                else a
+                for a in args
+            )
+            replicated = jax.jit(program).lower(*args).compile()
+            compiled = jax.jit(program).lower(*fsdp_args).compile()
+            found, before = collectives(compiled.as_text()), collectives(replicated.as_text())
+            reduces = sorted(c for c in found if c[0] == "all-reduce")
+            assert reduces == sorted(c for c in before if c[0] == "all-reduce"), f"{name}: all-reduces {reduces}"
+            others = [c for c in found if c[0] != "all-reduce"]
+            moved = [c for c in others if any(size % 5 == 0 or size % 7 == 0 for size in _dims(c[1]))]
+            assert not moved, f"{name}: activations move: {moved}"
+            assert others, f"{name}: the parameters were never gathered: is the mesh FSDP at all?"
+            got, want = compiled(*fsdp_args), replicated(*args)
+            for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name}: {jax.tree_util.keystr(path)} differs"
+            if program is pre_post:
+                (layer_in, out), (dx, dlayer_out, dparams) = got
+                values = dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
+                oracle_inputs = (x, layer_out, params, *cotangents)
+                want_values = numpy_reference.values(x, layer_out, params, config, *cotangents)
+                for key, value in values.items():
+
+                    def perturbed(rng, key=key, oracle_inputs=oracle_inputs):
+                        x_, lo_, params_, dli_, dout_ = (round_by_one_unit(rng, v) for v in oracle_inputs)
+                        return numpy_reference.values(x_, lo_, params_, config, dli_, dout_, noise=rng)[key]
+
+                    assert_matches(f"{name}: {key}", value, want_values[key], 1e-5, perturbed, f"(seed {seed})")
+            print(f"ok: {name}")
+
+
 def check_padded_rows_hold_values(seed):
     """Token counts that do not divide, with the rows XLA pads holding values, not zeros: x enters
     each operation as cos(x) (elementwise, so XLA computes it on the padded rows too: cos(0) = 1
@@ -686,6 +785,9 @@ if __name__ == "__main__":
     if sys.argv[3:] == ["carried"]:
         check_carried_shard_map(seed)
         sys.exit(0)
+    if sys.argv[3:] == ["fsdp"]:  # also in the full run; alone for a quick look
+        check_fsdp_parameters(seed)
+        sys.exit(0)
     # GSPMD (deprecated in JAX, kept while this jax has it) runs every layout and check once, for
     # Sinkhorn in f32; Shardy, the default, runs both mixes and both dtypes.
     full = partitioner == "shardy"
@@ -698,6 +800,7 @@ if __name__ == "__main__":
     check_boundary_chain(seed)
     check_head(seed)
     check_sharded_parameters(seed)
+    check_fsdp_parameters(seed)
     check_d_not_dividing(seed)
     # Inside shard_map no partitioner runs: Shardy's run checks every layout in f32, tokens+D in
     # bf16 and the errors; GSPMD's, tokens+D with shard_map's check_vma=False (no varying-axis types).

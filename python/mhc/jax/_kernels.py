@@ -531,7 +531,9 @@ def _head_backward_local(config: Config, plan, dout, x, fn, base, scale):
     return (dx.reshape(x.shape), *_psum_together(grads, plan.token_axes))
 
 
-_PARAMS = ("nd", "ndk", "a", "k")
+# The parameters' rows: q (stream) and r (feature, split as x's D), factors apart from x's n and d
+# (see _partitioning: a sharding of the parameters alone, FSDP, must not spread to x).
+_PARAMS = ("qr", "qrk", "a", "k")
 PRE_FORWARD = Operation(
     "pre_forward",
     targets=("mhc_pre_forward",),
@@ -583,8 +585,9 @@ BOUNDARY_BACKWARD = Operation(
     local=_boundary_backward_v4_local,
     primary=4,  # x
 )
-# The head: D written as "e" (gathered), fn [n, n*D] as "nf", scale [1] as "s".
-_HEAD_PARAMS = ("nf", "n", "s")
+# The head: D written as "e" (gathered), fn [n, n*D] as "qf", base [n] as "q", scale [1] as "s"
+# (replicated; q apart from x's n, as for _PARAMS).
+_HEAD_PARAMS = ("qf", "q", "s")
 HEAD_FORWARD = Operation(
     "head_forward",
     targets=("mhc_head_forward",),
