@@ -661,28 +661,46 @@ def _values_and_vjp(function, inputs, cotangents):
 
 def check_shard_map_errors():
     """Inside shard_map with D split: without tensor_axis an mhc error names it; the D slice of
-    the parameters, an axis that is not the mesh's, and the plain path with tensor_axis are refused."""
+    the parameters, an axis that is not the mesh's, and the plain path with tensor_axis are refused;
+    tensor_axis with x's D whole on each device is named as that (without check_vma, which
+    cannot tell it from a D slice of the parameters, both are named)."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
     config, d = mj.Config(n=2), 8
     x = jnp.ones((4, 2, d))
     params = mj.init_params(jax.random.key(0), config, d)
     head = mj.init_head_params(jax.random.key(1), config, d)
     sliced = mj.init_params(jax.random.key(0), config, d // 4)
-    spec = P("data", None, "tensor")
+    split, whole = P("data", None, "tensor"), P("data")
 
     def pre(params, **options):
         return lambda x: mj.pre(x, params, config, **options)[0]
 
     missing = "pass tensor_axis=<the mesh axis that splits D>"
+    not_split = "mhc.jax.pre: params.norm_weight: tensor_axis='tensor' says x's D is split over 4 devices"
     bad = [
-        (missing, pre(params)),
-        (missing, lambda x: mj.head(x, head, config)),
-        ("not their D slice", pre(sliced, tensor_axis="tensor")),
-        ("'model' is not a mesh axis of an enclosing jax.shard_map", pre(params, tensor_axis="model")),
-        ("the plain path (use_kernel=False) has no split form", pre(params, tensor_axis="tensor", use_kernel=False)),
+        # (fragment of the message, call, x's spec, check_vma)
+        (missing, pre(params), split, True),
+        (missing, lambda x: mj.head(x, head, config), split, True),
+        ("not their D slice", pre(sliced, tensor_axis="tensor"), split, True),
+        (not_split, pre(params, tensor_axis="tensor"), whole, True),
+        (
+            "x's last axis is not split over 'tensor'",
+            lambda x: mj.head(x, head, config, tensor_axis="tensor"),
+            whole,
+            True,
+        ),
+        ("If x's last axis is not split over 'tensor', leave", pre(params, tensor_axis="tensor"), whole, False),
+        ("'model' is not a mesh axis of an enclosing jax.shard_map", pre(params, tensor_axis="model"), split, True),
+        (
+            "the plain path (use_kernel=False) has no split form",
+            pre(params, tensor_axis="tensor", use_kernel=False),
+            split,
+            True,
+        ),
     ]
-    for fragment, call in bad:
-        sharded = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=P("data", "tensor"))
+    for fragment, call, spec, check_vma in bad:
+        out_spec = P("data", "tensor") if spec == split else P("data")
+        sharded = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=check_vma)
         try:
             jax.jit(sharded)(x)
         except ValueError as error:

@@ -71,6 +71,14 @@ def on_common_manual_axes(*trees):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def varies_over(array, axis: str) -> bool | None:
+    """Inside jax.shard_map: whether ``array`` is typed as varying over the mesh axis ``axis``
+    (split over it, or computed per device); None without check_vma, where no type tells."""
+    if not jax_config._check_vma.value:
+        return None
+    return axis in jax.typeof(array).mat.varying
+
+
 def _vary(array, varying: frozenset):
     missing = tuple(sorted(varying - jax.typeof(array).mat.varying))
     return jax.lax.pcast(array, missing, to="varying") if missing else array
