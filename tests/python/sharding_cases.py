@@ -384,6 +384,47 @@ def check_fsdp_parameters(seed):
             print(f"ok: {name}")
 
 
+def check_vmap_sharded(seed):
+    """jax.vmap over sharded arrays under jit (2 devices): vmap of pre -> post, the batch axis
+    sharded, or the token axis inside it. The batching rule folds the batch into the token axes
+    (custom_partitioning has none of its own), so the partitioning rule sees one more token
+    dimension; values and every gradient against the float64 oracle (conftest.assert_matches)."""
+    config = make_config("sinkhorn")
+    keys = jax.random.split(jax.random.key(seed + 10), 5)
+    shape = (4, 6, N_STREAMS, D)  # [vmapped, tokens, n, D]
+    x = jax.random.normal(keys[0], shape)
+    layer_out = jax.random.normal(keys[1], shape[:-2] + shape[-1:])
+    params = random_params(keys[2], config, D)
+    cotangents = (jax.random.normal(keys[3], layer_out.shape), jax.random.normal(keys[4], shape))
+
+    def sublayer_pair(x, layer_out, params):
+        layer_in, ctx = mj.pre(x, params, config)
+        return layer_in, mj.post(layer_out, ctx)
+
+    def values_and_vjp(x, layer_out, params, cotangents):
+        batched = jax.vmap(sublayer_pair, in_axes=(0, 0, None))
+        outputs, vjp = jax.vjp(batched, x, layer_out, params)
+        return outputs, vjp(cotangents)
+
+    want = numpy_reference.values(x, layer_out, params, config, *cotangents)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    for label, spec in {"the batch axis": P("data"), "the token axis": P(None, "data")}.items():
+        name = f"vmap of pre/post under jit, {label} sharded over 2 devices"
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        (layer_in, out), (dx, dlayer_out, dparams) = jax.jit(values_and_vjp)(xs, layer_out, params, cotangents)
+        assert normalized(out.sharding.spec, 4, mesh) == normalized(spec, 4, mesh), f"{name}: out {out.sharding}"
+        got = dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
+        oracle_inputs = (x, layer_out, params, *cotangents)
+        for key, value in got.items():
+
+            def perturbed(rng, key=key, oracle_inputs=oracle_inputs):
+                x_, lo_, params_, dli_, dout_ = (round_by_one_unit(rng, v) for v in oracle_inputs)
+                return numpy_reference.values(x_, lo_, params_, config, dli_, dout_, noise=rng)[key]
+
+            assert_matches(f"{name}: {key}", value, want[key], 1e-5, perturbed, f"(seed {seed})")
+        print(f"ok: {name}")
+
+
 def check_padded_rows_hold_values(seed):
     """Token counts that do not divide, with the rows XLA pads holding values, not zeros: x enters
     each operation as cos(x) (elementwise, so XLA computes it on the padded rows too: cos(0) = 1
@@ -803,6 +844,9 @@ if __name__ == "__main__":
     if sys.argv[3:] == ["carried"]:
         check_carried_shard_map(seed)
         sys.exit(0)
+    if sys.argv[3:] == ["vmap"]:
+        check_vmap_sharded(seed)
+        sys.exit(0)
     if sys.argv[3:] == ["fsdp"]:  # also in the full run; alone for a quick look
         check_fsdp_parameters(seed)
         sys.exit(0)
@@ -819,6 +863,7 @@ if __name__ == "__main__":
     check_head(seed)
     check_sharded_parameters(seed)
     check_fsdp_parameters(seed)
+    check_vmap_sharded(seed)
     check_d_not_dividing(seed)
     # Inside shard_map no partitioner runs: Shardy's run checks every layout in f32, tokens+D in
     # bf16 and the errors; GSPMD's, tokens+D with shard_map's check_vma=False (no varying-axis types).
