@@ -52,13 +52,12 @@ class Plan:
     entry of D; ``sizes`` the global sizes of the B dimensions and ``splits`` the number of shards
     of each (to find the rows XLA pads when a size does not divide).
 
-    ``shares``: inside ``jax.shard_map``, where a value the same on every device of the feature
-    axes (the carried mix, an invariant input) reaches the backward as each device's copy: its
-    cotangent is then this device's share (the sum over its own features), and the sum over the
-    feature axes is done once, by JAX's transpose of the input (shard_map's psum of a replicated
-    input's cotangent without check_vma, the psum that transposes the cast to varying with it);
-    a cotangent coming in for such a value (dh_pre) is a share too, summed here before use. Under
-    jit (False) the arrays are global: such a cotangent is summed here, whole on every device."""
+    ``shares``: inside ``jax.shard_map`` (True), a value the same on every device of the feature
+    axes that reaches the kernels as each device's copy (V4.1's carried mix) gets as cotangent
+    this device's share, the sum over its own features; JAX's transpose of the replicated input
+    sums the shares once (shard_map's psum without check_vma; with it, the psum that transposes
+    the cast to varying), and a cotangent coming in for such a value (dh_pre) is a share, summed
+    here before use. Under jit (False) the arrays are global: such cotangents are whole."""
 
     tokens: tuple
     features: object = None
