@@ -324,6 +324,33 @@ MUTATIONS = (
         python_tests=("tests/python/test_sharding.py::test_padded_rows_stay_out_of_parameter_gradients",),
     ),
     Mutation(
+        "carried_gradient_summed_twice_in_shard_map",
+        "inside shard_map with D split, dcarried is summed over the devices in the backward and again by the "
+        "transpose of the carried input: P times too large",
+        (
+            Edit(
+                "python/mhc/jax/_kernels.py",
+                "features=tensor_axis if slices > 1 else None, slices=slices, shares=True)",
+                "features=tensor_axis if slices > 1 else None, slices=slices, shares=False)",
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_sharding.py::test_carried_mix_inside_shard_map_with_d_split",),
+    ),
+    Mutation(
+        "vmap_folds_batch_into_wrong_axis",
+        "vmap's batching rule folds the batch into the token axes but tells the partitioning rule one fewer",
+        (
+            Edit(
+                "python/mhc/jax/_partitioning.py",
+                "results = apply(operation, config, lead + 1, *folded)",
+                "results = apply(operation, config, lead, *folded)",
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_sharding.py::test_vmap_of_sharded_arrays[shardy]",),
+    ),
+    Mutation(
         "boundary_recompute_first_tile_gates",
         "the fused boundary backward recomputes every tile's x_next with the first tile's h_post, h_res",
         (

@@ -13,6 +13,7 @@ jax.shard_map with tokens and D split (tensor_axis).
 """
 
 import functools
+import math
 import os
 import re
 import sys
@@ -28,7 +29,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import mhc.jax as mj  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import random_params, relative_error  # noqa: E402
+import numpy_reference  # noqa: E402
+from conftest import assert_matches, random_params, relative_error, round_by_one_unit  # noqa: E402
 
 N_STREAMS, D = 4, 32
 SHAPE = (8, 6, N_STREAMS, D)  # [batch, seq, n, D]: 48 tokens
@@ -283,6 +285,146 @@ def check_sharded_parameters(seed):
     print("ok: parameters sharded on D")
 
 
+def _fsdp(params, mesh, axis):
+    """The parameters with norm_weight's and phi's rows (n*D) sharded over ``axis`` (FSDP)."""
+    return params._replace(
+        norm_weight=jax.device_put(params.norm_weight, NamedSharding(mesh, P(axis))),
+        phi=jax.device_put(params.phi, NamedSharding(mesh, P(axis, None))),
+    )
+
+
+def _dims(element: str) -> list:
+    """The dimensions of an HLO element shape such as f32[7,5,4,32]."""
+    return [int(size) for size in re.findall(r"\d+", element.split("[", 1)[1])]
+
+
+def check_fsdp_parameters(seed):
+    """FSDP: the parameters' rows sharded over a mesh axis that x does not use. Under jit the
+    compiled programs hold the all-reduces of the same program with replicated parameters, and
+    beyond them only collectives of the parameters (n*D x (N+1) values, gathered or moved to the
+    devices' D slices): no activation moves (the partitioner once carried the parameters'
+    sharding onto x, then gathered x-sized arrays twice per sublayer). Results: the bits of the
+    replicated-parameter run (the same kernels on the same shards), whose own results the layout
+    checks hold to one device; pre -> post's values and gradients also against the float64
+    oracle (conftest.assert_matches)."""
+    # Tokens [14, 5]: every dimension of an activation on a device (7 or 14 rows, 5 positions, or
+    # their products) divides by 5 or 7; no dimension of the parameters (n = 4, D = 32 and its
+    # slices, N = 24) does. So a collective with such a dimension moves an activation.
+    shape = (14, 5, N_STREAMS, D)
+    config, x, params, _, _ = inputs("sinkhorn", jnp.float32, seed, shape)
+    keys = jax.random.split(jax.random.key(seed + 9), 5)
+    layer_out = jax.random.normal(keys[0], shape[:-2] + shape[-1:])
+    cotangents = (jax.random.normal(keys[1], layer_out.shape), jax.random.normal(keys[2], shape))
+    layers = [random_params(key, config, D) for key in jax.random.split(keys[3], 2)]
+    w = jax.random.normal(keys[4], shape)
+
+    def pre_post(x, layer_out, params, cotangents):
+        def f(x, layer_out, params):
+            layer_in, ctx = mj.pre(x, params, config)
+            return layer_in, mj.post(layer_out, ctx)
+
+        outputs, vjp = jax.vjp(f, x, layer_out, params)
+        return outputs, vjp(cotangents)
+
+    def chain(x, layers):
+        def loss(x, layers):
+            state = x
+            for params in layers:
+                state = mj.sublayer(state, params, config, lambda h: jnp.tanh(h) + 0.5)
+            return jnp.sum(jnp.square(mj.finish(state) - w))
+
+        return jax.grad(loss, argnums=(0, 1))(x, layers)
+
+    meshes = {
+        # label: (mesh shape, axis names, x's spec); the parameters' rows over "fsdp"
+        "tokens": ((2, 4), ("data", "fsdp"), P("data")),
+        "tokens+D": ((2, 2, 2), ("data", "tensor", "fsdp"), P("data", None, None, "tensor")),
+    }
+    for label, (mesh_shape, names, spec) in meshes.items():
+        mesh = Mesh(np.array(jax.devices()).reshape(mesh_shape), names)
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        runs = {
+            "pre/post": (pre_post, (xs, layer_out, params, cotangents)),
+            "sublayer chain": (chain, (xs, layers)),
+        }
+        for what, (program, args) in runs.items():
+            name = f"FSDP {what}, {label} (parameters over fsdp)"
+            fsdp_args = tuple(
+                _fsdp(a, mesh, "fsdp")
+                if isinstance(a, mj.Params)
+                else [_fsdp(p, mesh, "fsdp") for p in a]
+                if isinstance(a, list)
+                else a
+                for a in args
+            )
+            replicated = jax.jit(program).lower(*args).compile()
+            compiled = jax.jit(program).lower(*fsdp_args).compile()
+            found, before = collectives(compiled.as_text()), collectives(replicated.as_text())
+            reduces = sorted(c for c in found if c[0] == "all-reduce")
+            assert reduces == sorted(c for c in before if c[0] == "all-reduce"), f"{name}: all-reduces {reduces}"
+            others = [c for c in found if c[0] != "all-reduce"]
+            moved = [c for c in others if any(size % 5 == 0 or size % 7 == 0 for size in _dims(c[1]))]
+            assert not moved, f"{name}: activations move: {moved}"
+            assert others, f"{name}: the parameters were never gathered: is the mesh FSDP at all?"
+            got, want = compiled(*fsdp_args), replicated(*args)
+            for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), strict=True):
+                assert np.array_equal(np.asarray(a), np.asarray(b)), f"{name}: {jax.tree_util.keystr(path)} differs"
+            if program is pre_post:
+                (layer_in, out), (dx, dlayer_out, dparams) = got
+                values = dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
+                oracle_inputs = (x, layer_out, params, *cotangents)
+                want_values = numpy_reference.values(x, layer_out, params, config, *cotangents)
+                for key, value in values.items():
+
+                    def perturbed(rng, key=key, oracle_inputs=oracle_inputs):
+                        x_, lo_, params_, dli_, dout_ = (round_by_one_unit(rng, v) for v in oracle_inputs)
+                        return numpy_reference.values(x_, lo_, params_, config, dli_, dout_, noise=rng)[key]
+
+                    assert_matches(f"{name}: {key}", value, want_values[key], 1e-5, perturbed, f"(seed {seed})")
+            print(f"ok: {name}")
+
+
+def check_vmap_sharded(seed):
+    """jax.vmap over sharded arrays under jit (2 devices): vmap of pre -> post, the batch axis
+    sharded, or the token axis inside it. The batching rule folds the batch into the token axes
+    (custom_partitioning has none of its own), so the partitioning rule sees one more token
+    dimension; values and every gradient against the float64 oracle (conftest.assert_matches)."""
+    config = make_config("sinkhorn")
+    keys = jax.random.split(jax.random.key(seed + 10), 5)
+    shape = (4, 6, N_STREAMS, D)  # [vmapped, tokens, n, D]
+    x = jax.random.normal(keys[0], shape)
+    layer_out = jax.random.normal(keys[1], shape[:-2] + shape[-1:])
+    params = random_params(keys[2], config, D)
+    cotangents = (jax.random.normal(keys[3], layer_out.shape), jax.random.normal(keys[4], shape))
+
+    def sublayer_pair(x, layer_out, params):
+        layer_in, ctx = mj.pre(x, params, config)
+        return layer_in, mj.post(layer_out, ctx)
+
+    def values_and_vjp(x, layer_out, params, cotangents):
+        batched = jax.vmap(sublayer_pair, in_axes=(0, 0, None))
+        outputs, vjp = jax.vjp(batched, x, layer_out, params)
+        return outputs, vjp(cotangents)
+
+    want = numpy_reference.values(x, layer_out, params, config, *cotangents)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+    for label, spec in {"the batch axis": P("data"), "the token axis": P(None, "data")}.items():
+        name = f"vmap of pre/post under jit, {label} sharded over 2 devices"
+        xs = jax.device_put(x, NamedSharding(mesh, spec))
+        (layer_in, out), (dx, dlayer_out, dparams) = jax.jit(values_and_vjp)(xs, layer_out, params, cotangents)
+        assert normalized(out.sharding.spec, 4, mesh) == normalized(spec, 4, mesh), f"{name}: out {out.sharding}"
+        got = dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
+        oracle_inputs = (x, layer_out, params, *cotangents)
+        for key, value in got.items():
+
+            def perturbed(rng, key=key, oracle_inputs=oracle_inputs):
+                x_, lo_, params_, dli_, dout_ = (round_by_one_unit(rng, v) for v in oracle_inputs)
+                return numpy_reference.values(x_, lo_, params_, config, dli_, dout_, noise=rng)[key]
+
+            assert_matches(f"{name}: {key}", value, want[key], 1e-5, perturbed, f"(seed {seed})")
+        print(f"ok: {name}")
+
+
 def check_padded_rows_hold_values(seed):
     """Token counts that do not divide, with the rows XLA pads holding values, not zeros: x enters
     each operation as cos(x) (elementwise, so XLA computes it on the padded rows too: cos(0) = 1
@@ -420,30 +562,186 @@ def check_shard_map(dtype, seed, layouts=tuple(SHARD_MAP_LAYOUTS), check_vma=Tru
             print(f"ok: {name}")
 
 
+# DeepSeek-V4.1's carried mix as a shard_map input with D split: (mesh shape, axis names, x's
+# token entry); D always over "tensor". 2 and 4 devices, and tokens x D on all 8.
+CARRIED_MESHES = {
+    "D over 2": ((2,), ("tensor",), None),
+    "D over 4": ((4,), ("tensor",), None),
+    "tokens+D": ((2, 4), ("data", "tensor"), "data"),
+}
+CARRIED_CONFIG = mj.Config(n=N_STREAMS, pre_from_previous=True, sinkhorn_iters=4)
+
+
+def _carried_oracle(program, inputs, cotangents, noise=None):
+    """The float64 oracle of one carried program (numpy_reference), as a dict by name.
+    "pre": pre(carried=) -> post(u); "streams": sublayer(Streams(x, carried), h -> h + u) ->
+    streams(), i.e. layer_out = layer_in + u, so dlayer_in = dlayer_out; "collapse"."""
+    if program == "collapse":
+        x, carried = inputs
+        return dict(
+            zip(("out", "dx", "dcarried"), numpy_reference.collapse_values(x, carried, cotangents[0]), strict=True)
+        )
+    x, carried, u, params = inputs
+    if program == "pre":
+        values = numpy_reference.carried_values(x, u, params, CARRIED_CONFIG, carried, *cotangents, noise)
+        values["du"] = values.pop("dlayer_out")
+        return values
+    dout, dh_pre = cotangents
+    zero = np.zeros(np.shape(u))
+    first = numpy_reference.carried_values(x, u, params, CARRIED_CONFIG, carried, zero, dh_pre, dout, noise)
+    layer_out = first["layer_in"] + np.asarray(u, np.float64)
+    dlayer_out = first["dlayer_out"]  # h_post g: independent of layer_out and dlayer_in
+    values = numpy_reference.carried_values(
+        x, layer_out, params, CARRIED_CONFIG, carried, dlayer_out, dh_pre, dout, noise
+    )
+    names = ("out", "h_pre", "dx", "dcarried", "dnorm_weight", "dphi", "dalpha", "dbias")
+    return {"du": values["dlayer_out"], **{name: values[name] for name in names}}
+
+
+def check_carried_shard_map(seed):
+    """V4.1 inside jax.shard_map with D split over 2, 4 and (with the tokens) 8 devices, the
+    carried mix a shard_map input (replicated over the tensor axis): pre(carried=) -> post,
+    Streams(x, carried) into a sublayer, collapse(Streams(x, carried)). Values and every gradient
+    against the float64 oracle (conftest.assert_matches), f32 and bf16, with shard_map's check_vma
+    and (f32) without: dcarried is summed over the devices once (it was P times too large)."""
+    config, n = CARRIED_CONFIG, N_STREAMS
+    keys = jax.random.split(jax.random.key(seed + 8), 8)
+    lead = (4, 3)
+    carried = jax.nn.sigmoid(2.0 * jax.random.normal(keys[1], (*lead, n))) + 1e-6
+    params = random_params(keys[2], config, D)
+
+    def pre_program(tensor_axis, x, carried, u, params):
+        layer_in, ctx = mj.pre(x, params, config, carried=carried, tensor_axis=tensor_axis)
+        return layer_in, ctx.h_pre[None], mj.post(u, ctx)
+
+    def streams_program(tensor_axis, x, carried, u, params):
+        state = mj.sublayer(mj.Streams(x, carried), params, config, lambda h: h + u, tensor_axis=tensor_axis)
+        after = mj.streams(state)
+        return after.x, after.carried[None]
+
+    def collapse_program(tensor_axis, x, carried):
+        return (mj.collapse(mj.Streams(x, carried), tensor_axis=tensor_axis),)
+
+    cases = [(dtype, True) for dtype in (jnp.float32, jnp.bfloat16)] + [(jnp.float32, False)]
+    for dtype, check_vma in cases:
+        x = jax.random.normal(keys[0], (*lead, n, D)).astype(dtype)
+        u = jax.random.normal(keys[3], (*lead, D)).astype(dtype)
+        dli = jax.random.normal(keys[4], (*lead, D)).astype(dtype)
+        dh_pre = jax.random.normal(keys[5], (*lead, n))
+        dout = jax.random.normal(keys[6], (*lead, n, D)).astype(dtype)
+        dcollapse = jax.random.normal(keys[7], (*lead, D)).astype(dtype)
+        programs_ = {
+            "pre": (pre_program, (x, carried, u, params), (dli, dh_pre, dout)),
+            "streams": (streams_program, (x, carried, u, params), (dout, dh_pre)),
+            "collapse": (collapse_program, (x, carried), (dcollapse,)),
+        }
+        for label, (mesh_shape, names, tokens) in CARRIED_MESHES.items():
+            devices = math.prod(mesh_shape)
+            mesh = Mesh(np.array(jax.devices()[:devices]).reshape(mesh_shape), names)
+            slices = mesh.shape["tensor"]
+            x_spec, carried_spec, d_spec = P(tokens, None, None, "tensor"), P(tokens), P(tokens, None, "tensor")
+            # h_pre is typed as varying over the tensor axis: it comes out as one copy per device.
+            stacked_spec = P("tensor", tokens)
+            specs = {
+                "pre": ((x_spec, carried_spec, d_spec, P()), (d_spec, stacked_spec, x_spec)),
+                "streams": ((x_spec, carried_spec, d_spec, P()), (x_spec, stacked_spec)),
+                "collapse": ((x_spec, carried_spec), (d_spec,)),
+            }
+            for what, (program, inputs, cotangents) in programs_.items():
+                in_specs, out_specs = specs[what]
+                sharded = jax.shard_map(
+                    functools.partial(program, "tensor"),
+                    mesh=mesh,
+                    in_specs=in_specs,
+                    out_specs=out_specs,
+                    check_vma=check_vma,
+                )
+                # The cotangent of the stacked h_pre on the first copy only: the loss sees h_pre once.
+                given = tuple(
+                    jnp.zeros((slices, *c.shape), c.dtype).at[0].set(c) if c is dh_pre else c for c in cotangents
+                )
+                outputs, grads = jax.jit(functools.partial(_values_and_vjp, sharded))(inputs, given)
+                names_ = {
+                    "pre": ("layer_in", "h_pre", "out", "dx", "dcarried", "du", "dparams"),
+                    "streams": ("out", "h_pre", "dx", "dcarried", "du", "dparams"),
+                    "collapse": ("out", "dx", "dcarried"),
+                }[what]
+                got = dict(zip(names_, (*outputs, *grads), strict=True))
+                if "h_pre" in got:
+                    copies = got.pop("h_pre")
+                    for copy in range(slices):
+                        got[f"h_pre copy {copy}"] = copies[copy]
+                if "dparams" in got:
+                    got.update(zip(("dnorm_weight", "dphi", "dalpha", "dbias"), got.pop("dparams"), strict=True))
+                want = _carried_oracle(what, _float64(inputs), _float64(cotangents))
+                name = f"shard_map V4.1 {what}, {label} {jnp.dtype(dtype).name}" + (
+                    "" if check_vma else " check_vma=False"
+                )
+                for key, value in got.items():
+                    oracle_name = key.split(" copy")[0]
+
+                    def perturbed(rng, oracle_name=oracle_name, inputs=inputs, what=what, cotangents=cotangents):
+                        moved = tuple(round_by_one_unit(rng, v) for v in inputs)
+                        noise = None if what == "collapse" else rng
+                        return _carried_oracle(what, moved, _float64(cotangents), noise)[oracle_name]
+
+                    f32_output = oracle_name in ("h_pre",) or (oracle_name == "dcarried" and what == "collapse")
+                    tolerance = TOLERANCE[jnp.float32] if f32_output else TOLERANCE[dtype]
+                    assert_matches(f"{name}: {key}", value, want[oracle_name], tolerance, perturbed, f"(seed {seed})")
+                print(f"ok: {name}")
+
+
+def _float64(values):
+    return tuple(v if isinstance(v, mj.Params) else np.asarray(jnp.asarray(v, jnp.float32), np.float64) for v in values)
+
+
+def _values_and_vjp(function, inputs, cotangents):
+    outputs, vjp = jax.vjp(function, *inputs)
+    return outputs, vjp(tuple(c.astype(o.dtype) for c, o in zip(cotangents, outputs, strict=True)))
+
+
 def check_shard_map_errors():
     """Inside shard_map with D split: without tensor_axis an mhc error names it; the D slice of
-    the parameters, an axis that is not the mesh's, and the plain path with tensor_axis are refused."""
+    the parameters, an axis that is not the mesh's, and the plain path with tensor_axis are refused;
+    tensor_axis with x's D whole on each device is named as that (without check_vma, which
+    cannot tell it from a D slice of the parameters, both are named)."""
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
     config, d = mj.Config(n=2), 8
     x = jnp.ones((4, 2, d))
     params = mj.init_params(jax.random.key(0), config, d)
     head = mj.init_head_params(jax.random.key(1), config, d)
     sliced = mj.init_params(jax.random.key(0), config, d // 4)
-    spec = P("data", None, "tensor")
+    split, whole = P("data", None, "tensor"), P("data")
 
     def pre(params, **options):
         return lambda x: mj.pre(x, params, config, **options)[0]
 
     missing = "pass tensor_axis=<the mesh axis that splits D>"
+    not_split = "mhc.jax.pre: params.norm_weight: tensor_axis='tensor' says x's D is split over 4 devices"
     bad = [
-        (missing, pre(params)),
-        (missing, lambda x: mj.head(x, head, config)),
-        ("not their D slice", pre(sliced, tensor_axis="tensor")),
-        ("'model' is not a mesh axis of an enclosing jax.shard_map", pre(params, tensor_axis="model")),
-        ("the plain path (use_kernel=False) has no split form", pre(params, tensor_axis="tensor", use_kernel=False)),
+        # (fragment of the message, call, x's spec, check_vma)
+        (missing, pre(params), split, True),
+        (missing, lambda x: mj.head(x, head, config), split, True),
+        ("not their D slice", pre(sliced, tensor_axis="tensor"), split, True),
+        (not_split, pre(params, tensor_axis="tensor"), whole, True),
+        (
+            "x's last axis is not split over 'tensor'",
+            lambda x: mj.head(x, head, config, tensor_axis="tensor"),
+            whole,
+            True,
+        ),
+        ("If x's last axis is not split over 'tensor', leave", pre(params, tensor_axis="tensor"), whole, False),
+        ("'model' is not a mesh axis of an enclosing jax.shard_map", pre(params, tensor_axis="model"), split, True),
+        (
+            "the plain path (use_kernel=False) has no split form",
+            pre(params, tensor_axis="tensor", use_kernel=False),
+            split,
+            True,
+        ),
     ]
-    for fragment, call in bad:
-        sharded = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=P("data", "tensor"))
+    for fragment, call, spec, check_vma in bad:
+        out_spec = P("data", "tensor") if spec == split else P("data")
+        sharded = jax.shard_map(call, mesh=mesh, in_specs=spec, out_specs=out_spec, check_vma=check_vma)
         try:
             jax.jit(sharded)(x)
         except ValueError as error:
@@ -543,6 +841,15 @@ if __name__ == "__main__":
     if sys.argv[3:] == ["padded-rows"]:  # test_sharding.py runs these on their own
         check_padded_rows_hold_values(seed)
         sys.exit(0)
+    if sys.argv[3:] == ["carried"]:
+        check_carried_shard_map(seed)
+        sys.exit(0)
+    if sys.argv[3:] == ["vmap"]:  # test_vmap_of_sharded_arrays, under both partitioners
+        check_vmap_sharded(seed)
+        sys.exit(0)
+    if sys.argv[3:] == ["fsdp"]:  # also in the full run under Shardy; alone for a quick look
+        check_fsdp_parameters(seed)
+        sys.exit(0)
     # GSPMD (deprecated in JAX, kept while this jax has it) runs every layout and check once, for
     # Sinkhorn in f32; Shardy, the default, runs both mixes and both dtypes.
     full = partitioner == "shardy"
@@ -555,6 +862,8 @@ if __name__ == "__main__":
     check_boundary_chain(seed)
     check_head(seed)
     check_sharded_parameters(seed)
+    if full:  # FSDP: Shardy (the default) spread the parameters' sharding onto x; GSPMD did not
+        check_fsdp_parameters(seed)
     check_d_not_dividing(seed)
     # Inside shard_map no partitioner runs: Shardy's run checks every layout in f32, tokens+D in
     # bf16 and the errors; GSPMD's, tokens+D with shard_map's check_vma=False (no varying-axis types).

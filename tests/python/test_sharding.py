@@ -30,9 +30,9 @@ def _run_cases(seed, partitioner, *selection) -> str:
 def test_sharded_kernels_match_one_device(seed, partitioner):
     output = _run_cases(seed, partitioner)
     # Shardy: 20 layout checks (5 layouts x 2 mixes x 2 dtypes), 6 padded/gathered, 12 shard_map
-    # (3 operations x 3 layouts in f32, 3 in bf16) and its errors, 13 others; GSPMD: the layouts
-    # and padded cases for one mix and dtype (5 + 3), 3 shard_map, the same 13 others.
-    expected = 52 if partitioner == "shardy" else 24
+    # (3 operations x 3 layouts in f32, 3 in bf16) and its errors, 17 others (4 of them FSDP);
+    # GSPMD: the layouts and padded cases for one mix and dtype (5 + 3), 3 shard_map, 13 others.
+    expected = 56 if partitioner == "shardy" else 24
     assert output.count("ok:") == expected, output
 
 
@@ -42,6 +42,23 @@ def test_padded_rows_stay_out_of_parameter_gradients(seed, partitioner):
     subprocess: quick, so scripts/mutate.py runs it for the padded-row masks)."""
     output = _run_cases(seed, partitioner, "padded-rows")
     assert output.count("ok:") == 3, output
+
+
+@pytest.mark.parametrize("partitioner", PARTITIONERS)
+def test_vmap_of_sharded_arrays(seed, partitioner):
+    """jit(vmap(pre -> post)) on x sharded over 2 devices, the batch axis or the token axis (its
+    own subprocess: quick, so scripts/mutate.py runs it for the batching rule)."""
+    output = _run_cases(seed, partitioner, "vmap")
+    assert output.count("ok:") == 2, output
+
+
+def test_carried_mix_inside_shard_map_with_d_split(seed):
+    """DeepSeek-V4.1's carried mix as a shard_map input, D split over 2, 4 and (tokens x D) 8
+    devices: pre(carried=), Streams into a sublayer and collapse, against the float64 oracle, f32
+    and bf16, with and without check_vma (its own subprocess: quick, for scripts/mutate.py). No
+    partitioner runs inside shard_map, so once."""
+    output = _run_cases(seed, "shardy", "carried")
+    assert output.count("ok:") == 27, output  # 3 programs x 3 meshes x (f32, bf16, f32 without check_vma)
 
 
 def test_every_custom_call_has_a_partitioning_rule():

@@ -124,23 +124,39 @@ def _rows(params, field: str, axis: int):
     return value.shape[axis] if getattr(value, "ndim", 0) > 0 else None
 
 
-def _global_x(x, rows, what: str, tensor_axis, slices: int):
+def _global_x(x, rows, what: str, tensor_axis, slices: int, function: str):
     """x's shape with the whole D (its last axis times ``slices``), for the argument checks; and
-    the error that names tensor_axis when the parameters hold more features than x (inside
-    shard_map with D split, x holds a slice)."""
+    the errors of ``mhc.jax.<function>`` when the parameters' rows and x's D disagree about the
+    split (inside shard_map with D split, x holds a slice and the parameters every feature)."""
     if x.ndim < 2 or rows is None:  # the argument checks name what is wrong
         return x
     n, d = x.shape[-2:]
+    name = f"mhc.jax.{function}: {what}"
     if tensor_axis is None and n and d and rows != n * d and rows % (n * d) == 0:
         raise ValueError(
-            f"{what}: {rows} rows are {rows // n} features per stream, but x holds D = {d} (shape "
+            f"{name}: {rows} rows are {rows // n} features per stream, but x holds D = {d} (shape "
             f"{tuple(x.shape)}): inside jax.shard_map with D split over a mesh axis, pass "
             "tensor_axis=<the mesh axis that splits D> (the parameters stay whole, every feature's rows)"
         )
     if tensor_axis is not None and rows == n * d and slices > 1:
-        raise ValueError(
-            f"{what}: {rows} rows are this device's D = {d} only; with tensor_axis={tensor_axis!r} pass the "
-            f"whole parameters (n * D = {n * d * slices} rows, replicated), not their D slice"
+        whole = f"(n * D = {n * d * slices} rows, replicated)"
+        split = _kernels.varies_over(x, tensor_axis)
+        if split:  # x holds a D slice: so do the parameters
+            raise ValueError(
+                f"{name}: {rows} rows are this device's D = {d} only; with tensor_axis={tensor_axis!r} pass the "
+                f"whole parameters {whole}, not their D slice"
+            )
+        if split is False:  # x the same on every device of the axis: its D is whole
+            raise ValueError(
+                f"{name}: tensor_axis={tensor_axis!r} says x's D is split over {slices} devices, but x holds "
+                f"D = {d} and the parameters {rows} rows (n * D), every feature for both: x's last axis is not "
+                f"split over {tensor_axis!r}. Leave tensor_axis out "
+                f"when each device holds the whole D, or split x's D over {tensor_axis!r} (shard_map's in_specs) "
+                f"and keep the parameters whole {whole}"
+            )
+        raise ValueError(  # shard_map without check_vma: no type says whether x is split
+            f"{name}: {rows} rows match x's D = {d}. If x's last axis is not split over {tensor_axis!r}, leave "
+            f"tensor_axis out; if it is, pass the whole parameters {whole}, not their D slice"
         )
     return jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] * slices), x.dtype) if slices > 1 else x
 
@@ -178,7 +194,7 @@ def pre(
         return reference.pre(x, params, config, carried)
     check_activation("x", x)
     check_pre_args(
-        _global_x(x, _rows(params, "norm_weight", 0), "params.norm_weight", tensor_axis, slices), params, config
+        _global_x(x, _rows(params, "norm_weight", 0), "params.norm_weight", tensor_axis, slices, "pre"), params, config
     )
     check_carried(carried, x, config)
     if not config.pre_from_previous:
@@ -251,7 +267,7 @@ def boundary(
         raise ValueError(f"config: the next sublayer's n ({config.n}) must equal ctx.config.n ({ctx.config.n})")
     slices = _tensor_slices(tensor_axis, use_kernel)
     rows = _rows(params, "norm_weight", 0)
-    check_pre_args(_global_x(ctx.x, rows, "params.norm_weight", tensor_axis, slices), params, config)
+    check_pre_args(_global_x(ctx.x, rows, "params.norm_weight", tensor_axis, slices, "boundary"), params, config)
     if config.pre_from_previous:
         operands = _kernels.on_common_manual_axes(ctx.x, layer_out, ctx.h_pre, ctx.h_post, ctx.h_res, params)
         layer_in, x_next, h_pre, h_post, h_res = _kernels.boundary_carried(config, fallback, tensor_axis, *operands)
@@ -529,7 +545,7 @@ def head(
     if not use_kernel:
         return reference.head(x, params, config)
     check_activation("x", x)
-    check_head_args(_global_x(x, _rows(params, "fn", -1), "params.fn", tensor_axis, slices), params, config)
+    check_head_args(_global_x(x, _rows(params, "fn", -1), "params.fn", tensor_axis, slices, "head"), params, config)
     if tensor_axis is not None and slices > 1:
         return _kernels.head_gathering_features(config, tensor_axis, x, params)
     return _kernels.head(config, *_kernels.on_common_manual_axes(x, params))

@@ -71,6 +71,14 @@ def on_common_manual_axes(*trees):
     return jax.tree.unflatten(treedef, leaves)
 
 
+def varies_over(array, axis: str) -> bool | None:
+    """Inside jax.shard_map: whether ``array`` is typed as varying over the mesh axis ``axis``
+    (split over it, or computed per device); None without check_vma, where no type tells."""
+    if not jax_config._check_vma.value:
+        return None
+    return axis in jax.typeof(array).mat.varying
+
+
 def _vary(array, varying: frozenset):
     missing = tuple(sorted(varying - jax.typeof(array).mat.varying))
     return jax.lax.pcast(array, missing, to="varying") if missing else array
@@ -389,13 +397,18 @@ def _pre_backward_local(
         dcarried = None if v4 else grads.pop(0)
     else:
         xf = _split_form(PRE_BACKWARD if v4 else PRE_BACKWARD_CARRIED, xf)
-        # <x_k, dlayer_in> summed over D, from the partial sums and one all-reduce: V4's dh_pre,
-        # V4.1's dcarried (none for the one-hot's [T, 0]).
-        if v4 or cf.shape[-1]:
-            x_dli = jax.lax.psum(pre_backward_partials(config, plan.slices, dli, xf), plan.feature_axes)
+        # <x_k, dlayer_in> over this device's features (none for V4.1's one-hot [T, 0]): V4's
+        # dh_pre once summed over D in one all-reduce; V4.1's dcarried, summed the same way under
+        # jit, left as this device's share inside shard_map (Plan.shares), where the incoming
+        # dh_pre is a share instead and takes that one all-reduce.
+        one_hot = not v4 and not cf.shape[-1]
+        x_dli = jnp.zeros(cf.shape, _F32) if one_hot else pre_backward_partials(config, plan.slices, dli, xf)
+        if v4:
+            dhpre, dcarried = jax.lax.psum(x_dli, plan.feature_axes), None
+        elif plan.shares:
+            dhpre, dcarried = jax.lax.psum(dhpre, plan.feature_axes), x_dli
         else:
-            x_dli = jnp.zeros(cf.shape, _F32)
-        dhpre, dcarried = (x_dli, None) if v4 else (dhpre, x_dli)
+            dcarried = x_dli if one_hot else jax.lax.psum(x_dli, plan.feature_axes)
         dx, *grads = pre_backward_finish(config, plan.slices, dli, dxp, dhpre, dhp, dhr, xf, pf, params, carried=cf)
     return (*_unflat(lead, dx, dcarried), *_local_param_grads(plan, grads, n, d))
 
@@ -503,8 +516,11 @@ def _collapse_backward_local(config: Config, plan, dout, x, carried):
     lead, (n, d) = x.shape[:-2], x.shape[-2:]
     t = math.prod(lead)
     dx, dcarried = collapse_backward(config, dout.reshape(t, d), x.reshape(t, n, d), carried.reshape(t, n))
-    # dcarried sums over D: with D split, one all-reduce completes it.
-    (dcarried,) = _psum_together((dcarried,), plan.feature_axes)
+    # dcarried sums over D: with D split, one all-reduce completes it under jit; inside shard_map
+    # it stays this device's share (Plan.shares), summed by the transpose of the carried input or
+    # by the pre backward that takes it as dh_pre.
+    if not plan.shares:
+        (dcarried,) = _psum_together((dcarried,), plan.feature_axes)
     return dx.reshape(x.shape), dcarried.reshape(carried.shape)
 
 
@@ -523,7 +539,9 @@ def _head_backward_local(config: Config, plan, dout, x, fn, base, scale):
     return (dx.reshape(x.shape), *_psum_together(grads, plan.token_axes))
 
 
-_PARAMS = ("nd", "ndk", "a", "k")
+# The parameters' rows: q (stream) and r (feature, split as x's D), factors apart from x's n and d
+# (see _partitioning: a sharding of the parameters alone, FSDP, must not spread to x).
+_PARAMS = ("qr", "qrk", "a", "k")
 PRE_FORWARD = Operation(
     "pre_forward",
     targets=("mhc_pre_forward",),
@@ -575,8 +593,9 @@ BOUNDARY_BACKWARD = Operation(
     local=_boundary_backward_v4_local,
     primary=4,  # x
 )
-# The head: D written as "e" (gathered), fn [n, n*D] as "nf", scale [1] as "s".
-_HEAD_PARAMS = ("nf", "n", "s")
+# The head: D written as "e" (gathered), fn [n, n*D] as "qf", base [n] as "q", scale [1] as "s"
+# (replicated; q apart from x's n, as for _PARAMS).
+_HEAD_PARAMS = ("qf", "q", "s")
 HEAD_FORWARD = Operation(
     "head_forward",
     targets=("mhc_head_forward",),
@@ -836,12 +855,13 @@ def _apply(
 # no partitioning rule applies, so the operation's per-device function (the one the rules pick
 # under jit) runs directly, with a plan whose token axes are empty (the caller's shard_map sums
 # the parameter gradients over its token axes, as for any replicated input) and whose feature
-# axis is ``tensor_axis``.
+# axis is ``tensor_axis``. The cotangent of V4.1's carried mix is then each device's share of the
+# sum over D (Plan.shares), as for the parameters: JAX's transpose of a replicated input sums it.
 
 
 def _run_manual(operation: Operation, config: Config, lead: int, tensor_axis, *operands) -> tuple:
     slices = 1 if tensor_axis is None else jax.lax.axis_size(tensor_axis)
-    plan = Plan(tokens=(None,) * lead, features=tensor_axis if slices > 1 else None, slices=slices)
+    plan = Plan(tokens=(None,) * lead, features=tensor_axis if slices > 1 else None, slices=slices, shares=True)
     results = operation.local(config, plan, *operands)
     # The psums inside leave some results invariant over tensor_axis; a custom VJP wants its
     # cotangents typed like its inputs, which on_common_manual_axes made varying over all axes.

@@ -8,8 +8,14 @@ of its operands and results, one letter per dimension:
 - ``B``: the token (leading) dimensions, any number of them: they keep whatever sharding x has;
 - ``d``: the features D: sharded over mesh axes that divide D (tensor parallelism), else gathered
   (always gathered for an operation with ``splits_features=False``, which writes D as ``e``);
-- any other letter (``n``, ``m``: the streams; ``k``: N; ``p``: N+1; ``a``: the three alphas):
-  replicated, so a mesh axis on the streams axis is gathered.
+- ``q``, ``r``: the parameters' rows, stream and feature (norm_weight [n, D], phi [n, D, N]): ``r``
+  split like x's D (each device holds the rows of its features), else gathered; ``q`` replicated.
+  Factors of their own, not x's ``n`` and ``d``: Shardy must not carry a sharding that only the
+  parameters have (FSDP: their rows over a mesh axis x does not use) onto x and every activation,
+  which then would be gathered back (twice per sublayer in the backward); the parameters (n*D x
+  (N+1) values) are gathered instead;
+- any other letter (``n``, ``m``: the streams; ``k``: N; ``p``: N+1; ``a``: the three alphas; the
+  head's ``q``, ``f``, ``s``): replicated, so a mesh axis on the streams axis is gathered.
 
 ``jax.experimental.custom_partitioning`` takes both forms of the rule: ``sharding_rule`` (an
 einsum-like string) for Shardy's propagation, ``infer_sharding_from_operands`` and
@@ -44,13 +50,21 @@ def _names(entry) -> tuple:
 class Plan:
     """How one call is split: ``tokens`` the spec entries of the B dimensions, ``features`` the
     entry of D; ``sizes`` the global sizes of the B dimensions and ``splits`` the number of shards
-    of each (to find the rows XLA pads when a size does not divide)."""
+    of each (to find the rows XLA pads when a size does not divide).
+
+    ``shares``: inside ``jax.shard_map`` (True), a value the same on every device of the feature
+    axes that reaches the kernels as each device's copy (V4.1's carried mix) gets as cotangent
+    this device's share, the sum over its own features; JAX's transpose of the replicated input
+    sums the shares once (shard_map's psum without check_vma; with it, the psum that transposes
+    the cast to varying), and a cotangent coming in for such a value (dh_pre) is a share, summed
+    here before use. Under jit (False) the arrays are global: such cotangents are whole."""
 
     tokens: tuple
     features: object = None
     slices: int = 1
     sizes: tuple = ()
     splits: tuple = ()
+    shares: bool = False
 
     @property
     def token_axes(self) -> tuple:
@@ -66,7 +80,7 @@ class Plan:
             if kind == "B":
                 entries.extend(self.tokens)
             else:
-                entries.append(self.features if kind == "d" else None)
+                entries.append(self.features if kind in "dr" else None)
         return PartitionSpec(*entries)
 
     def valid_tokens(self, local_lead: tuple):
@@ -108,7 +122,7 @@ class Operation:
     splits_features: bool = True
 
     def rule(self, lead: int) -> tuple:
-        """The Shardy rule: B -> b0 b1 ..., every other letter one factor; only B and d shard."""
+        """The Shardy rule: B -> b0 b1 ..., every other letter one factor; only B, d and r shard."""
         tokens = " ".join(f"b{i}" for i in range(lead))
 
         def mapping(kinds):
@@ -116,7 +130,7 @@ class Operation:
 
         rule = ", ".join(map(mapping, self.operands)) + " -> " + ", ".join(map(mapping, self.results))
         # In the order the factors first appear: Shardy wants the special factors sorted.
-        letters = dict.fromkeys(kind for kinds in self.operands + self.results for kind in kinds if kind not in "Bd")
+        letters = dict.fromkeys(kind for kinds in self.operands + self.results for kind in kinds if kind not in "Bdr")
         return rule, dict(need_replication_factors=tuple(letters))
 
 
