@@ -413,12 +413,13 @@ def load_v4(
     naming: None (default) decides the naming from the file, separately for the layers' tensors and
     for the head's, since Hugging Face transformers' ``save_pretrained`` writes the layers under
     V4's names (``model.layers.{i}.hc_attn_fn``) and the head under its own
-    (``model.hc_head.hc_fn``); "v4" or "hf" requires that naming for both. Either way the names
-    may carry transformers' ``model.`` prefix or not (transformers adds or drops it by the class
-    saved). layers: the layer indices to read (default: every ``layers.{i}`` the checkpoint has;
-    MTP layers are not included). head: also read the head; None (default) reads it for a V4
-    ``config`` and not for a V4.1 one (``config.pre_from_previous``: V4.1 has no head, and True
-    then raises ValueError). Tensors are read one at a time with
+    (``model.hc_head.hc_fn``), and transformers' V4.1 names its layers' tensors so as well (a newer
+    one with ``attn_hc`` modules: the "hf" names); "v4" or "hf" requires that naming for both.
+    Either way the names may carry transformers' ``model.`` prefix or not (transformers adds or
+    drops it by the class saved). layers: the layer indices to read (default: every ``layers.{i}``
+    the checkpoint has; MTP layers are not included). head: also read the head; None (default) reads
+    it for a V4 ``config`` and not for a V4.1 one (``config.pre_from_previous``: V4.1 has no head,
+    and True then raises ValueError). Tensors are read one at a time with
     ``safetensors.safe_open``; shapes and dtypes are checked from the headers before any data is
     read. Raises KeyError naming a missing tensor, the file it was expected in and the file's
     tensors with the nearest names; ValueError for a wrong shape (expected vs got, and the file),
