@@ -351,6 +351,16 @@ MUTATIONS = (
         python_tests=("tests/python/test_sharding.py::test_vmap_of_sharded_arrays[shardy]",),
     ),
     Mutation(
+        "recompute_policy_saves_x",
+        "recompute_policy keeps the streams x (the residuals named mhc_x) instead of letting the backward rebuild them",
+        (Edit("python/mhc/jax/__init__.py", 'return params.get("name") != _kernels.RESIDUAL_X', "return True"),),
+        python=True,
+        # Values and gradients stay right; only what is saved (and the memory) changes.
+        python_tests=(
+            "tests/python/test_recompute.py::test_the_policy_keeps_no_stream_but_the_groups_input[boundary]",
+        ),
+    ),
+    Mutation(
         "boundary_recompute_first_tile_gates",
         "the fused boundary backward recomputes every tile's x_next with the first tile's h_post, h_res",
         (
@@ -382,6 +392,40 @@ MUTATIONS = (
                 "mix.row(0, n, nullptr), D, out + t * D);",
             ),
         ),
+    ),
+    Mutation(
+        "carried_mix_unnamed",
+        "V4.1's pre saves the carried mix without its checkpoint name (a names policy re-runs the sublayer before)",
+        (
+            Edit(
+                "python/mhc/jax/_kernels.py",
+                "saved = (*_named(RESIDUAL_X, x), *_named(RESIDUAL_COEFFICIENTS, carried), *_named(RESIDUAL_PARTIALS,",
+                "saved = (*_named(RESIDUAL_X, x), carried, *_named(RESIDUAL_PARTIALS,",
+            ),
+        ),
+        python=True,
+        # a real carried mix at a seam; the first sublayer's one-hot is an empty array
+        python_tests=("tests/python/test_checkpoint_names.py::test_a_real_carried_mix_at_a_seam_is_saved_by_its_name",),
+    ),
+    Mutation(
+        "v41_config_eps_ignored",
+        "config_from_v4 fixes V4.1's mHC RMS eps at 1e-20 whatever the config's rms_norm_eps / norm_eps say",
+        (
+            Edit(
+                "python/mhc/interop.py",
+                'rms_eps = fields.get("norm_eps", fields.get("rms_norm_eps", V41_RMS_EPS if v41 else 1e-6))',
+                'rms_eps = V41_RMS_EPS if v41 else fields.get("norm_eps", fields.get("rms_norm_eps", 1e-6))',
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_interop.py::test_config_from_v41",),
+    ),
+    Mutation(
+        "unknown_model_type_read_as_v4",
+        "config_from_v4 reads a configuration of another model_type as DeepSeek-V4 instead of raising",
+        (Edit("python/mhc/interop.py", "elif model_type is not None and model_type not in MODEL_TYPES:", "elif 0:"),),
+        python=True,
+        python_tests=("tests/python/test_interop.py::test_config_from_v4_rejects_what_it_cannot_place",),
     ),
     Mutation(
         "tpu_projection_default_precision",

@@ -26,15 +26,22 @@ MaxText (``maxtext/layers/mhc.py``): one ``ManifoldConstrainedHyperConnections``
 ``DeepSeek4HyperHead`` (``decoder/hc_head``) holds ``hc_fn`` [M, n] (V4's fn transposed),
 ``hc_base`` [n], ``hc_scale`` [1].
 
-DeepSeek-V4.1 (spec: "Single-pass schedule") stores the same per-layer tensors under the same
-names in both namings (``fn`` F32 [24, 20480] at n = 4, D = 5120) and has no ``hc_head_*``: its
-model ends with the collapse by the last sublayer's pre gates (``mhc.jax.collapse``), which has no
-parameters. What tells the two apart is the config: ``hc_pre_from_prev_sublayer`` true, which
-``config_from_v4`` turns into ``Config(pre_from_previous=True)``, and ``load_v4`` then reads no head.
+DeepSeek-V4.1 (spec: "Single-pass schedule") stores the same per-layer tensors (``fn`` F32
+[24, 20480] at n = 4, D = 5120) and has no ``hc_head_*``: its model ends with the collapse by the
+last sublayer's pre gates (``mhc.jax.collapse``), which has no parameters. transformers' V4.1
+(``DeepseekV41DecoderLayer``) holds them as raw layer attributes, so its checkpoints and
+``save_pretrained`` name them as V4 does under the ``model.`` prefix
+(``model.layers.{i}.hc_attn_fn``, ``model.layers.{i}.hc_ffn_fn``); a newer transformers V4.1 with
+``attn_hc`` modules is read under V4's Hugging Face module names, ``model.layers.{i}.attn_hc.fn``
+and ``model.layers.{i}.ffn_hc.fn`` (the ffn side by analogy with V4's; ``naming="hf"``).
+``load_v4`` reads either. What tells V4 and V4.1 apart is the config (``config_from_v4``: the
+model_type, or ``hc_pre_from_prev_sublayer`` in DeepSeek's own inference config), which gives
+``Config(pre_from_previous=True)``, and ``load_v4`` then reads no head.
 
 The hyper-parameters live in ``mhc.jax.Config``, not in the weights: ``config_from_v4`` reads them
-from a DeepSeek-V4 or V4.1 ``config.json``. Every function returns NumPy float32 arrays (host memory);
-pass them to ``jax.device_put`` to place them.
+from a DeepSeek-V4 or V4.1 ``config.json`` (DeepSeek's or transformers') or a transformers config.
+Every function returns NumPy float32 arrays (host memory); pass them to ``jax.device_put`` to
+place them.
 """
 
 from __future__ import annotations
@@ -58,9 +65,16 @@ SUBLAYERS = ("attn", "ffn")
 _EXACT_DTYPES = ("float32", "bfloat16", "float16")
 _SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _INDEX_FILE = "model.safetensors.index.json"
-# DeepSeek-V4.1's config.json switch to its single-pass schedule, and its mHC RMS eps (spec).
+# DeepSeek's own V4.1 inference config.json switch to its single-pass schedule (transformers' V4.1
+# configs have no such key: V4.1 is known by its model_type), and V4.1's RMS eps when the config
+# names none (spec; transformers' DeepseekV41TextConfig.rms_norm_eps default).
 V41_SCHEDULE_KEY = "hc_pre_from_prev_sublayer"
 V41_RMS_EPS = 1e-20
+# transformers' model_types: V4, V4.1's text config, V4.1's composite config (fields under text_config).
+V4_MODEL_TYPE = "deepseek_v4"
+V41_MODEL_TYPE = "deepseek_v41_text"
+V41_COMPOSITE_MODEL_TYPE = "deepseek_v41"
+MODEL_TYPES = (V4_MODEL_TYPE, V41_MODEL_TYPE, V41_COMPOSITE_MODEL_TYPE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,45 +103,96 @@ def v4_head_names(naming: str = "v4") -> dict[str, str]:
     return {part: f"model.hc_head.hc_{part}" for part in ("fn", "base", "scale")}
 
 
-def config_from_v4(model_config: Mapping) -> Config:
-    """The ``Config`` of a DeepSeek-V4 or V4.1 ``config.json`` (a dict; native or Hugging Face keys).
+def config_from_v4(model_config) -> Config:
+    """The ``Config`` of a DeepSeek-V4 or V4.1 configuration: a parsed ``config.json`` (dict) or a
+    transformers config object (read through its ``to_dict()``).
 
-    V4 uses one ``hc_eps`` for the pre gate and for Sinkhorn and ``norm_eps`` (HF: ``rms_norm_eps``)
-    for the RMS statistic; post_scale is V4's fixed 2. Absent keys take V4's ``ModelArgs``
-    defaults (20 Sinkhorn iterations, eps 1e-6); ``hc_mult`` is required.
+    Recognised, by ``model_type`` (``MODEL_TYPES``):
 
-    V4.1: ``hc_pre_from_prev_sublayer`` true gives ``pre_from_previous=True`` (absent or false:
-    V4's schedule). Its mHC RMS statistic takes its own eps, 1e-20 (spec: Single-pass schedule),
-    not the model's ``norm_eps`` (which stays its RMSNorms'), so ``rms_eps`` is 1e-20 there;
-    ``pre_eps = sinkhorn_eps = hc_eps`` as in V4. Replace a field with ``dataclasses.replace``.
+    - ``deepseek_v4``: transformers' ``DeepseekV4Config`` and the ``config.json`` it writes.
+    - ``deepseek_v41_text``: transformers' ``DeepseekV41TextConfig`` and its ``config.json``. V4.1
+      is known by this model_type; these configs have no ``hc_pre_from_prev_sublayer`` key.
+    - ``deepseek_v41``: the composite ``DeepseekV41Config`` (the released V4.1 checkpoint's
+      ``config.json``, and what ``save_pretrained`` of ``DeepseekV41ForCausalLM`` writes): the
+      fields are read from its ``text_config``.
+    - no ``model_type``: DeepSeek's own inference ``config.json`` (its ``ModelArgs``), V4.1 when
+      ``hc_pre_from_prev_sublayer`` is true, V4 otherwise.
+
+    Any other ``model_type`` raises ValueError instead of being read as V4.
+
+    Fields: ``hc_mult`` (n, required), ``hc_sinkhorn_iters`` (default 20), ``hc_eps`` (default
+    1e-6; V4 and V4.1 use it for the pre gate and for Sinkhorn: ``pre_eps = sinkhorn_eps``), and
+    the RMS eps of the mHC statistic: ``norm_eps`` (DeepSeek's name) or ``rms_norm_eps``
+    (transformers'), which both models also use for the norm before the mHC projection; absent,
+    it is V4's 1e-6 or V4.1's 1e-20 (``V41_RMS_EPS``, transformers' default for V4.1).
+    post_scale is the fixed 2. V4.1 gives ``pre_from_previous=True``. Replace a field with
+    ``dataclasses.replace``.
     """
-    if not isinstance(model_config, Mapping):
-        raise TypeError(f"model_config: expected a mapping (the parsed config.json), got {type(model_config).__name__}")
-    if "hc_mult" not in model_config:
-        raise KeyError("model_config: 'hc_mult' missing (the number of residual streams n)")
-    pre_from_previous = model_config.get(V41_SCHEDULE_KEY, False)
-    if not isinstance(pre_from_previous, bool):
-        raise TypeError(
-            f"model_config[{V41_SCHEDULE_KEY!r}]: expected true or false, got {type(pre_from_previous).__name__} "
-            f"{pre_from_previous!r}"
-        )
-    if pre_from_previous:
-        rms_eps = V41_RMS_EPS
-    else:
-        rms_eps = model_config.get("norm_eps", model_config.get("rms_norm_eps", 1e-6))
-    hc_eps = model_config.get("hc_eps", 1e-6)
+    fields, v41 = _v4_config_fields(model_config)
+    rms_eps = fields.get("norm_eps", fields.get("rms_norm_eps", V41_RMS_EPS if v41 else 1e-6))
+    hc_eps = fields.get("hc_eps", 1e-6)
     # Config gains pre_from_previous with V4.1; a V4 config is built without naming it.
-    schedule = {"pre_from_previous": True} if pre_from_previous else {}
+    schedule = {"pre_from_previous": True} if v41 else {}
     return Config(
-        n=model_config["hc_mult"],
+        n=fields["hc_mult"],
         mix="sinkhorn",
-        sinkhorn_iters=model_config.get("hc_sinkhorn_iters", 20),
+        sinkhorn_iters=fields.get("hc_sinkhorn_iters", 20),
         sinkhorn_eps=hc_eps,
         rms_eps=rms_eps,
         pre_eps=hc_eps,
         post_scale=2.0,
         **schedule,
     )
+
+
+def _v4_config_fields(model_config) -> tuple[Mapping, bool]:
+    """The mapping that holds the mHC fields of ``model_config`` and whether it is V4.1."""
+    where = "model_config"
+    if not isinstance(model_config, Mapping) and callable(getattr(model_config, "to_dict", None)):
+        model_config = model_config.to_dict()  # a transformers PretrainedConfig
+    if not isinstance(model_config, Mapping):
+        raise TypeError(
+            f"config_from_v4: {where}: expected a mapping (the parsed config.json) or a transformers config, "
+            f"got {type(model_config).__name__}"
+        )
+    model_type = model_config.get("model_type")
+    if model_type == V41_COMPOSITE_MODEL_TYPE:
+        text_config = model_config.get("text_config")
+        if not isinstance(text_config, Mapping):
+            raise KeyError(
+                f"config_from_v4: {where}['text_config']: expected the text model's fields (a mapping) in a "
+                f"model_type {model_type!r} config, got {type(text_config).__name__}"
+            )
+        where, model_config = f"{where}['text_config']", text_config
+        if model_config.get("model_type", V41_MODEL_TYPE) != V41_MODEL_TYPE:
+            raise ValueError(
+                f"config_from_v4: {where}['model_type']: expected {V41_MODEL_TYPE!r} inside a "
+                f"{V41_COMPOSITE_MODEL_TYPE!r} config, got {model_config['model_type']!r}"
+            )
+        model_type = V41_MODEL_TYPE
+    elif model_type is not None and model_type not in MODEL_TYPES:
+        accepted = ", ".join(repr(name) for name in MODEL_TYPES)
+        raise ValueError(
+            f"config_from_v4: {where}['model_type'] is {model_type!r}: expected one of {accepted} (DeepSeek-V4, "
+            f"V4.1's text config, V4.1's composite config), or no model_type (DeepSeek's own inference config.json)"
+        )
+    if "hc_mult" not in model_config:
+        raise KeyError(f"config_from_v4: {where}: 'hc_mult' missing (the number of residual streams n)")
+    schedule = model_config.get(V41_SCHEDULE_KEY)
+    if schedule is not None and not isinstance(schedule, bool):
+        raise TypeError(
+            f"config_from_v4: {where}[{V41_SCHEDULE_KEY!r}]: expected true or false, got {type(schedule).__name__} "
+            f"{schedule!r}"
+        )
+    if model_type is None:
+        return model_config, bool(schedule)
+    v41 = model_type == V41_MODEL_TYPE
+    if schedule is not None and schedule != v41:
+        raise ValueError(
+            f"config_from_v4: {where}[{V41_SCHEDULE_KEY!r}] is {schedule} in a model_type {model_type!r} config, "
+            f"which is {'V4.1 (single-pass schedule)' if v41 else 'V4 (no carried mix)'}"
+        )
+    return model_config, v41
 
 
 def _is_v41(config: Config) -> bool:
@@ -348,12 +413,13 @@ def load_v4(
     naming: None (default) decides the naming from the file, separately for the layers' tensors and
     for the head's, since Hugging Face transformers' ``save_pretrained`` writes the layers under
     V4's names (``model.layers.{i}.hc_attn_fn``) and the head under its own
-    (``model.hc_head.hc_fn``); "v4" or "hf" requires that naming for both. Either way the names
-    may carry transformers' ``model.`` prefix or not (transformers adds or drops it by the class
-    saved). layers: the layer indices to read (default: every ``layers.{i}`` the checkpoint has;
-    MTP layers are not included). head: also read the head; None (default) reads it for a V4
-    ``config`` and not for a V4.1 one (``config.pre_from_previous``: V4.1 has no head, and True
-    then raises ValueError). Tensors are read one at a time with
+    (``model.hc_head.hc_fn``), and transformers' V4.1 names its layers' tensors so as well (a newer
+    one with ``attn_hc`` modules: the "hf" names); "v4" or "hf" requires that naming for both.
+    Either way the names may carry transformers' ``model.`` prefix or not (transformers adds or
+    drops it by the class saved). layers: the layer indices to read (default: every ``layers.{i}``
+    the checkpoint has; MTP layers are not included). head: also read the head; None (default) reads
+    it for a V4 ``config`` and not for a V4.1 one (``config.pre_from_previous``: V4.1 has no head,
+    and True then raises ValueError). Tensors are read one at a time with
     ``safetensors.safe_open``; shapes and dtypes are checked from the headers before any data is
     read. Raises KeyError naming a missing tensor, the file it was expected in and the file's
     tensors with the nearest names; ValueError for a wrong shape (expected vs got, and the file),
@@ -680,10 +746,14 @@ def _checked_head(head, config: Config):
 
 
 __all__ = [
+    "MODEL_TYPES",
     "NAMINGS",
     "SUBLAYERS",
+    "V41_COMPOSITE_MODEL_TYPE",
+    "V41_MODEL_TYPE",
     "V41_RMS_EPS",
     "V41_SCHEDULE_KEY",
+    "V4_MODEL_TYPE",
     "V4Weights",
     "config_from_v4",
     "head_from_maxtext",

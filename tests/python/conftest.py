@@ -1,6 +1,8 @@
 """Shared helpers: random problems with non-trivial coefficients and the spec's error metric."""
 
+import contextlib
 import functools
+import io
 import os
 import secrets
 import zlib
@@ -84,6 +86,16 @@ def sublayer_values(x, layer_out, params, config: mj.Config, cotangents, use_ker
         x, layer_out, params, cotangents, config=config, use_kernel=use_kernel
     )
     return dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
+
+
+def saved_residuals(f, *args) -> list[str]:
+    """What ``jax.grad`` of f keeps for its backward, one line per residual
+    (``jax.ad_checkpoint.print_saved_residuals``, the public way to list them): its shape, its
+    checkpoint name (``named 'mhc_x'``) or where it comes from (``from the argument x``)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(f, *args)
+    return out.getvalue().splitlines()
 
 
 # The one rule of every accuracy comparison, as in tests/cpp/test_util.h (expect_matches, where

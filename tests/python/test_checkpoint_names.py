@@ -2,8 +2,6 @@
 jax.checkpoint policy can pick them: saving only those names keeps exactly them (and the arguments),
 and the gradients under every policy are the same bits as without jax.checkpoint. Kernel path, f32."""
 
-import contextlib
-import io
 import re
 
 import jax
@@ -12,7 +10,7 @@ import numpy as np
 import pytest
 
 import mhc.jax as mj
-from conftest import random_params
+from conftest import random_params, saved_residuals
 from mhc.jax import _kernels
 
 N, D, T = 4, 64, 32
@@ -49,14 +47,6 @@ def _loss(model, x, params, head, weight):
     return jnp.sum(jnp.sin(mj.head(x, head, CONFIG)))
 
 
-def _saved(f, *args) -> list[str]:
-    """print_saved_residuals' lines (the public way to list what jax.checkpoint keeps)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        jax.ad_checkpoint.print_saved_residuals(f, *args)
-    return out.getvalue().splitlines()
-
-
 def _names(lines) -> set[str]:
     return {m.group(1) for line in lines if (m := re.search(r"named '([^']*)'", line))}
 
@@ -70,7 +60,7 @@ X_SAVED = {"pre_post": 6, "boundary": 4, "head": 5}
 def test_a_names_policy_saves_the_named_residuals_and_only_the_arguments_besides(seed, model):
     x, params, head, weight = _problem(seed)
     loss = lambda x, params, head: _loss(model, x, params, head, weight)  # noqa: E731
-    lines = _saved(
+    lines = saved_residuals(
         jax.checkpoint(loss, policy=POLICIES.save_only_these_names(*_kernels.RESIDUAL_NAMES)), x, params, head
     )
     assert _names(lines) == ALL, lines
@@ -84,7 +74,8 @@ def test_a_names_policy_saves_the_named_residuals_and_only_the_arguments_besides
     assert sum("named 'mhc_layer_out'" in line for line in lines) == layers, lines
     assert sum("named 'mhc_coefficients'" in line for line in lines) == 2 * layers, lines
     # one name alone: only it is kept
-    lines = _saved(jax.checkpoint(loss, policy=POLICIES.save_only_these_names(_kernels.RESIDUAL_X)), x, params, head)
+    only_x = POLICIES.save_only_these_names(_kernels.RESIDUAL_X)
+    lines = saved_residuals(jax.checkpoint(loss, policy=only_x), x, params, head)
     assert _names(lines) == {_kernels.RESIDUAL_X}, lines
 
 
@@ -108,3 +99,32 @@ def test_gradients_under_every_policy_are_the_bits_without_checkpoint(seed, mode
             assert np.array_equal(np.asarray(a), np.asarray(b)), (
                 f"{label}: {jax.tree_util.keystr(path)} differs (seed {seed})"
             )
+
+
+def test_a_real_carried_mix_at_a_seam_is_saved_by_its_name(seed):
+    """V4.1 (spec: Single-pass schedule) with a seam before the last sublayer (V4.1's Engram: the
+    post, a stream update, then the pre on their own): that pre reads a real carried mix, the
+    previous sublayer's h_pre [T, n], which its custom VJP must save under its checkpoint name, so
+    that a names policy keeps it rather than re-running the sublayer before to get it back. (The
+    first sublayer's one-hot is an empty [T, 0] array: the count below leaves it out.)"""
+    config = mj.Config(n=N, pre_from_previous=True)
+    x, params, _, weight = _problem(seed)
+    update = jax.random.normal(jax.random.fold_in(jax.random.key(seed), 1), x.shape, jnp.float32)
+    branch = lambda h: jnp.tanh(h @ weight)  # noqa: E731
+
+    def loss(x, params, update):
+        state = mj.stack(x, [(p, config, branch) for p in params[:-1]])
+        before = mj.streams(state)  # the seam: the pending post applied, then the update
+        state = mj.sublayer(mj.Streams(before.x + update, before.carried), params[-1], config, branch)
+        return jnp.sum(jnp.sin(mj.collapse(state)))
+
+    policy = POLICIES.save_only_these_names(*_kernels.RESIDUAL_NAMES)
+    lines = saved_residuals(jax.checkpoint(loss, policy=policy), x, params, update)
+    assert _names(lines) == ALL, lines
+    others = [line for line in lines if "named 'mhc_" not in line and "from the argument" not in line]
+    assert all("from a constant" in line for line in others), others
+    mixes = [line for line in lines if line.startswith(f"f32[{T},{N}] named 'mhc_coefficients'")]
+    # h_pre and h_post of the fused boundary (sublayers 0 -> 1), h_post of the post before the seam,
+    # the carried mix of the pre after it, h_post of the last post, the carried mix of the collapse
+    assert len(mixes) == 6, lines
+    assert sum(line.endswith("(pre)") for line in mixes) == 1, mixes

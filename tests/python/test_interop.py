@@ -251,26 +251,110 @@ V41_CONFIG = {
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,
     "hc_eps": 1e-6,
-    "norm_eps": 1e-6,
+    "norm_eps": 1e-20,
     "hc_pre_from_prev_sublayer": True,
 }
 
 
+def hf_v41_text_config(**fields):
+    """transformers' ``DeepseekV41TextConfig(...).to_dict()`` at test size: what ``save_pretrained`` of
+    a ``DeepseekV41TextModel`` writes to config.json. V4.1 is known by the model_type alone: there is
+    no ``hc_pre_from_prev_sublayer`` key. The mHC norm's eps is ``rms_norm_eps`` (default 1e-20)."""
+    config = {
+        "model_type": "deepseek_v41_text",
+        "architectures": ["DeepseekV41TextModel"],
+        "vocab_size": 1024,
+        "hidden_size": D,
+        "num_hidden_layers": 2,
+        "compress_ratios": [0, 0],
+        "layer_types": ["sliding_attention", "sliding_attention"],
+        "engram_layer_ids": [],
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-20,
+        "dtype": "bfloat16",
+        "transformers_version": "5.1.0.dev0",
+    }
+    return {**config, **fields}
+
+
+def hf_v41_composite_config(text_config):
+    """transformers' composite ``DeepseekV41Config``: the released V4.1 checkpoint's config.json, and
+    what ``save_pretrained`` of a ``DeepseekV41ForCausalLM`` writes; the text fields under ``text_config``."""
+    return {
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "text_config": {key: value for key, value in text_config.items() if key != "architectures"},
+        "vision_config": {"model_type": "deepseek_v41_vision", "hidden_size": 1024, "patch_size": 14},
+        "image_token_id": 129264,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.1.0.dev0",
+    }
+
+
+class TransformersConfig:
+    """Stands in for a transformers ``PretrainedConfig`` (not a mapping; ``to_dict()`` gives its fields)."""
+
+    def __init__(self, fields):
+        self._fields = fields
+
+    def to_dict(self):
+        return json.loads(json.dumps(self._fields))
+
+
 @needs_v41
 def test_config_from_v41():
-    config = interop.config_from_v4(V41_CONFIG)
-    assert config == mj.Config(
+    v41 = mj.Config(
         n=4, sinkhorn_iters=20, sinkhorn_eps=1e-6, rms_eps=1e-20, pre_eps=1e-6, post_scale=2.0, pre_from_previous=True
     )
-    # Hugging Face keys: the same switch; its rms_norm_eps is the model's RMSNorms', not mHC's.
-    hf = {"hc_mult": 4, "rms_norm_eps": 1e-6, "hc_eps": 1e-3, "hc_pre_from_prev_sublayer": True}
-    assert interop.config_from_v4(hf) == mj.Config(
-        n=4, sinkhorn_eps=1e-3, rms_eps=1e-20, pre_eps=1e-3, pre_from_previous=True
-    )
+    assert interop.config_from_v4(V41_CONFIG) == v41
+    # DeepSeek's own inference config: the eps of the mHC norm is its norm_eps, 1e-20 when absent.
+    assert interop.config_from_v4({**V41_CONFIG, "norm_eps": 1e-12}).rms_eps == 1e-12
+    assert interop.config_from_v4({k: v for k, v in V41_CONFIG.items() if k != "norm_eps"}) == v41
     assert not interop.config_from_v4({**V41_CONFIG, "hc_pre_from_prev_sublayer": False}).pre_from_previous
-    assert interop.config_from_v4({**V41_CONFIG, "hc_pre_from_prev_sublayer": False}).rms_eps == 1e-6
+    assert interop.config_from_v4({**V41_CONFIG, "hc_pre_from_prev_sublayer": False}).rms_eps == 1e-20
     with pytest.raises(TypeError, match=r"model_config\['hc_pre_from_prev_sublayer'\]: expected true or false"):
         interop.config_from_v4({**V41_CONFIG, "hc_pre_from_prev_sublayer": "yes"})
+
+    # transformers' text and composite configs, as dicts, as the config.json save_pretrained writes
+    # and as config objects: V4.1 by the model_type, with the config's own eps.
+    want = dataclasses.replace(v41, sinkhorn_iters=7, sinkhorn_eps=1e-3, pre_eps=1e-3, rms_eps=1e-12)
+    text = hf_v41_text_config(hc_sinkhorn_iters=7, hc_eps=1e-3, rms_norm_eps=1e-12)
+    for model_config in (text, hf_v41_composite_config(text)):
+        for form in (model_config, json.loads(json.dumps(model_config)), TransformersConfig(model_config)):
+            assert interop.config_from_v4(form) == want, model_config["model_type"]
+    assert interop.config_from_v4(hf_v41_text_config()) == v41  # transformers' default eps
+    # The composite's text_config as transformers writes it has its model_type; without one it is still V4.1.
+    bare_text = {key: value for key, value in text.items() if key != "model_type"}
+    assert interop.config_from_v4({**hf_v41_composite_config(text), "text_config": bare_text}) == want
+
+
+def test_config_from_hf_v4():
+    hf_v4 = {"model_type": "deepseek_v4", "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-5}
+    assert interop.config_from_v4(hf_v4) == mj.Config(n=4, rms_eps=1e-5)
+    assert interop.config_from_v4(TransformersConfig(hf_v4)) == mj.Config(n=4, rms_eps=1e-5)
+
+
+@needs_v41
+def test_config_from_v4_rejects_what_it_cannot_place():
+    """A configuration of another model, or one that contradicts itself, raises instead of being read as V4."""
+    text = hf_v41_text_config()
+    with pytest.raises(ValueError, match=r"config_from_v4: model_config\['model_type'\] is 'llama': expected one of "):
+        interop.config_from_v4({**text, "model_type": "llama"})
+    with pytest.raises(ValueError, match=r"'deepseek_v41_text'.*or no model_type"):
+        interop.config_from_v4({"model_type": "deepseek_v42", "hc_mult": 4})
+    composite = hf_v41_composite_config(text)
+    with pytest.raises(KeyError, match=r"config_from_v4: model_config\['text_config'\]: expected .*'deepseek_v41'"):
+        interop.config_from_v4({key: value for key, value in composite.items() if key != "text_config"})
+    with pytest.raises(ValueError, match=r"\['text_config'\]\['model_type'\]: expected 'deepseek_v41_text'"):
+        interop.config_from_v4({**composite, "text_config": {**text, "model_type": "deepseek_v4"}})
+    with pytest.raises(KeyError, match=r"config_from_v4: model_config\['text_config'\]: 'hc_mult' missing"):
+        interop.config_from_v4({**composite, "text_config": {"model_type": "deepseek_v41_text"}})
+    with pytest.raises(ValueError, match=r"'hc_pre_from_prev_sublayer'\] is False in a model_type 'deepseek_v41_text'"):
+        interop.config_from_v4({**text, "hc_pre_from_prev_sublayer": False})
+    with pytest.raises(ValueError, match=r"'hc_pre_from_prev_sublayer'\] is True in a model_type 'deepseek_v4'"):
+        interop.config_from_v4({"model_type": "deepseek_v4", "hc_mult": 4, "hc_pre_from_prev_sublayer": True})
 
 
 @needs_v41
@@ -313,13 +397,14 @@ def v41_forward(x, sublayers, branches, *, rms_eps, hc_eps, sinkhorn_iters):
 
 
 @needs_v41
-@pytest.mark.parametrize("hc_eps", (1e-6, 1e-3))
-def test_forward_matches_deepseek_v41(seed, hc_eps):
+@pytest.mark.parametrize(("hc_eps", "rms_eps"), ((1e-6, 1e-20), (1e-3, 1e-6)))
+def test_forward_matches_deepseek_v41(seed, hc_eps, rms_eps):
     """Three sublayers (layer 0's attn and ffn, layer 1's attn) of V4.1 loaded by interop, through
     mhc.jax's plain path (pre with the carried mix, post, the final collapse; and the same as one
-    stack), against the float64 transcription. Each branch is a random tanh(h W)."""
+    stack), against the float64 transcription. Each branch is a random tanh(h W). The Config comes
+    from transformers' V4.1 text config, so its eps values are the config's."""
     rng = np.random.default_rng(seed)
-    config = interop.config_from_v4({**V41_CONFIG, "hc_eps": hc_eps})
+    config = interop.config_from_v4(hf_v41_text_config(hc_eps=hc_eps, rms_norm_eps=rms_eps))
     n = config.n
     where = ((0, "attn"), (0, "ffn"), (1, "attn"))
     tensors = {}
@@ -327,7 +412,7 @@ def test_forward_matches_deepseek_v41(seed, hc_eps):
         tensors.update(random_v4_tensors(rng, config, D, layer, sublayer))
     params = [interop.params_from_v4(tensors, config, layer=layer, sublayer=sub) for layer, sub in where]
     weights = [(rng.standard_normal((D, D)) / math.sqrt(D)).astype(np.float32) for _ in where]
-    # Streams of order 1e-3 (mean square 1e-6) make the RMS eps visible: V4.1's 1e-20, not norm_eps.
+    # Streams of order 1e-3 (mean square 1e-6) make the RMS eps visible (1e-6 moves r by a factor 0.7).
     x = (1e-3 * rng.standard_normal((2, 3, n, D))).astype(np.float32)
 
     names = [interop.v4_sublayer_names(layer, sub) for layer, sub in where]
@@ -336,7 +421,7 @@ def test_forward_matches_deepseek_v41(seed, hc_eps):
         x.astype(np.float64),
         stored,
         [lambda h, w=w: np.tanh(h @ w.astype(np.float64)) for w in weights],
-        rms_eps=1e-20,
+        rms_eps=rms_eps,
         hc_eps=hc_eps,
         sinkhorn_iters=20,
     )
@@ -622,6 +707,53 @@ def test_load_v41_checkpoint_without_head(seed, tmp_path):
             interop.load_v4(file, mj.Config(n=4))  # a V4 config reads the head, which is not there
     with pytest.raises(TypeError, match="head: expected True, False or None"):
         interop.load_v4(file, config, head="no")
+
+
+# The three namings of V4.1's layer tensors: DeepSeek's (``layers.{i}.hc_attn_fn``), transformers'
+# V4.1 with raw layer attributes (V4's names under ``model.``, also what its save_pretrained writes),
+# and a newer transformers V4.1 with ``attn_hc`` / ``ffn_hc`` modules (V4's Hugging Face names).
+V41_NAMINGS = {
+    "deepseek": lambda layer, sublayer: interop.v4_sublayer_names(layer, sublayer, "v4"),
+    "transformers": lambda layer, sublayer: {
+        part: "model." + name for part, name in interop.v4_sublayer_names(layer, sublayer, "v4").items()
+    },
+    "transformers-modules": lambda layer, sublayer: interop.v4_sublayer_names(layer, sublayer, "hf"),
+}
+
+
+@needs_v41
+@pytest.mark.parametrize("naming", sorted(V41_NAMINGS))
+@pytest.mark.parametrize("composite", (False, True), ids=("text-config", "composite-config"))
+def test_v41_checkpoint_round_trip(seed, tmp_path, naming, composite):
+    """A V4.1 checkpoint directory as transformers writes it (config.json + model.safetensors, no
+    head, other tensors beside): written from random Params through params_to_v4, read back by
+    config_from_v4(config.json) and load_v4 bit for bit, as V4.1 with the config's own eps."""
+    safetensors_flax = pytest.importorskip("safetensors.flax")
+    rng = np.random.default_rng(seed)
+    text = hf_v41_text_config(hc_eps=1e-4, rms_norm_eps=1e-9)
+    model_config = hf_v41_composite_config(text) if composite else text
+    (tmp_path / "config.json").write_text(json.dumps(model_config, indent=2))
+    config = interop.config_from_v4(json.loads((tmp_path / "config.json").read_text()))
+    assert config.pre_from_previous and config.rms_eps == 1e-9 and config.pre_eps == config.sinkhorn_eps == 1e-4
+
+    params = {
+        (layer, sub): random_params(rng, config, D, unit_norm=True) for layer in (0, 1) for sub in ("attn", "ffn")
+    }
+    stored = {"model.embed.weight": np.ones((7, D), np.float32), "lm_head.weight": np.ones((7, D), np.float32)}
+    for (layer, sublayer), value in params.items():
+        exported = interop.params_to_v4(value, config, layer=layer, sublayer=sublayer)
+        v4_names = interop.v4_sublayer_names(layer, sublayer)
+        for part, name in V41_NAMINGS[naming](layer, sublayer).items():
+            stored[name] = exported[v4_names[part]]
+    safetensors_flax.save_file(
+        {name: jnp.asarray(value) for name, value in stored.items()}, str(tmp_path / "model.safetensors")
+    )
+
+    weights = interop.load_v4(tmp_path, config)
+    assert weights.layers == (0, 1) and weights.head is None
+    for layer in (0, 1):
+        assert_same_params(weights.attn[layer], params[layer, "attn"])
+        assert_same_params(weights.ffn[layer], params[layer, "ffn"])
 
 
 def test_load_without_safetensors_says_what_to_install(tmp_path, monkeypatch):

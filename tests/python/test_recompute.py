@@ -15,7 +15,7 @@ import pytest
 from jax.extend import core as jcore
 
 import mhc.jax as mj
-from conftest import F32_REROUNDING_BOUND, random_params, relative_error
+from conftest import F32_REROUNDING_BOUND, random_params, relative_error, saved_residuals
 from mhc.jax import _kernels
 from mhc.models import causal_attention, gelu
 
@@ -47,20 +47,29 @@ def _attention(weights):
     return branch
 
 
+def _pre_post_group(x, params, weights):
+    """A group of sublayers, streams -> streams, each sublayer's pre and post on their own."""
+    for p, w in zip(params, weights, strict=True):
+        layer_in, ctx = mj.pre(x, p, CONFIG)
+        x = mj.post(_attention(w)(layer_in), ctx)
+    return x
+
+
+def _fused_group(x, params, weights):
+    """A group of sublayers, streams -> streams, chained through the fused boundaries."""
+    state = x
+    for p, w in zip(params, weights, strict=True):
+        state = mj.sublayer(state, p, CONFIG, _attention(w))
+    return mj.finish(state)
+
+
 def _loss(x, params, weights, recompute, fused=True):
     if fused:
         sublayers = [(p, CONFIG, _attention(w)) for p, w in zip(params, weights, strict=True)]
         streams = mj.finish(mj.stack(x, sublayers, recompute=recompute))
-    else:  # each sublayer's pre and post on their own, the groups by recompute_streams
-
-        def group(x, params, weights):
-            for p, w in zip(params, weights, strict=True):
-                layer_in, ctx = mj.pre(x, p, CONFIG)
-                x = mj.post(_attention(w)(layer_in), ctx)
-            return x
-
+    else:  # the groups by recompute_streams
         size = recompute or len(params)
-        run = mj.recompute_streams(group) if recompute else group
+        run = mj.recompute_streams(_pre_post_group) if recompute else _pre_post_group
         streams = x
         for start in range(0, len(params), size):
             streams = run(streams, params[start : start + size], weights[start : start + size])
@@ -140,6 +149,23 @@ def test_the_backward_reruns_the_kernels_and_never_a_branch(seed):
         assert counts[k]["kernel forwards"] == kept["kernel forwards"] + depth, (k, counts[k], kept)
         # the branches' dots: their forward and their backward, never a second forward
         assert counts[k]["dots"] == kept["dots"], (k, counts[k], kept)
+
+
+@pytest.mark.parametrize("group", [_fused_group, _pre_post_group], ids=["boundary", "pre-post"])
+def test_the_policy_keeps_no_stream_but_the_groups_input(seed, group):
+    """What recompute_policy keeps for the backward of a group of sublayers, as
+    print_saved_residuals lists it: of the streams [..., n, D] only the group's input (an
+    argument, which any jax.checkpoint keeps), not the streams between its sublayers (the kernels'
+    outputs, the residuals named mhc_x), which the backward rebuilds; every layer_out stays kept,
+    so that no branch is re-run. The memory test sees a policy that keeps x only on a quiet CPU."""
+    depth = 3
+    x, params, weights = _problem(seed, depth, jnp.float32)
+    lines = saved_residuals(mj.recompute_streams(group), x, params, weights)
+    stream_shape = "f32[" + ",".join(str(size) for size in x.shape) + "]"
+    streams = [line for line in lines if line.startswith(stream_shape)]
+    assert streams == [f"{stream_shape} from the argument x"], lines
+    assert not any(f"named '{_kernels.RESIDUAL_X}'" in line for line in lines), lines
+    assert sum(f"named '{_kernels.RESIDUAL_LAYER_OUT}'" in line for line in lines) == depth, lines
 
 
 def test_scan_over_groups_and_an_outer_checkpoint_keep_the_bits(seed):
