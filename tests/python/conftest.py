@@ -128,6 +128,48 @@ def assert_matches(name, got, want, tolerance, perturbed, context=""):
     )
 
 
+def _f64(value):
+    return np.asarray(jnp.asarray(value, jnp.float32), np.float64)
+
+
+def assert_mixed_in_f32_and_rounded_once(name, got, weights, streams, context=""):
+    """The precision policy for a bf16 mix (spec: Accuracy), element by element: got [..., D]
+    (bf16) = sum_k weights[..., k] streams[..., k, D], summed in f32 and rounded to bf16 once, is
+    within half a bf16 ulp of got plus the f32 rounding of the sum, K 2^-24 sum_k |w_k s_k|
+    (K terms), of the exact mix (float64, from the same inputs: pass the kernel's own f32
+    coefficients where they are an input of the mix). Leading dims of weights and streams
+    broadcast (the post's out: weights [T, n, n + 1] of the streams [T, 1, n + 1, D]). A norm at
+    1e-2 cannot see a running sum kept in bf16; this can. NaN never passes."""
+    assert got.dtype == jnp.bfloat16, f"{name}: the element-wise bf16 bound holds a bf16 output, got {got.dtype}"
+    terms = _f64(weights)[..., None] * _f64(streams)
+    exact = terms.sum(axis=-2)
+    got64 = _f64(got)
+    assert got64.shape == exact.shape, f"{name}: shape {got64.shape}, the mix's {exact.shape}"
+    # bf16 keeps 8 significant bits: |v| in [2^(e-1), 2^e) has ulp 2^(e-8); the smallest
+    # subnormal step is 2^-133 (got = 0 included).
+    _, exponent = np.frexp(got64)
+    half_ulp = 0.5 * np.exp2(np.maximum(np.where(got64 == 0, -np.inf, exponent - 8.0), -133.0))
+    allowed = half_ulp + terms.shape[-2] * 2.0**-24 * np.abs(terms).sum(axis=-2)
+    error = np.abs(got64 - exact)
+    failing = ~(error <= allowed)  # NaN fails
+    if failing.any():
+        worst = np.unravel_index(np.argmax(np.where(failing, error / allowed, -1.0)), error.shape)
+        raise AssertionError(
+            f"{name}: {int(failing.sum())} of {failing.size} bf16 elements not mixed in f32 and rounded once: "
+            f"at {tuple(int(i) for i in worst)} got {got64[worst]!r}, exact {exact[worst]!r}, "
+            f"|error| {error[worst]:.3g} > allowed {allowed[worst]:.3g} {context}"
+        )
+
+
+def assert_post_mixed_in_f32_and_rounded_once(out, x, layer_out, h_post, h_res, context=""):
+    """out_j = sum_i H_res[i, j] x_i + H_post[j] layer_out (spec: Forward step 8): n + 1 terms per
+    output stream, held to the precision policy element by element."""
+    h_post, h_res, x, layer_out = (_f64(a) for a in (h_post, h_res, x, layer_out))
+    weights = np.concatenate([np.swapaxes(h_res, -1, -2), h_post[..., None]], axis=-1)  # [..., n (j), n + 1]
+    streams = np.concatenate([x, layer_out[..., None, :]], axis=-2)[..., None, :, :]  # [..., 1, n + 1, D]
+    assert_mixed_in_f32_and_rounded_once("out", out, weights, streams, context)
+
+
 def round_by_one_unit(rng: np.random.Generator, value):
     """value (an array or a tuple of arrays, e.g. Params) in float64, each element scaled by
     1 + u with |u| <= 2^-24: a rounding of the inputs by up to one f32 unit."""
