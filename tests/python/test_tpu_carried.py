@@ -23,6 +23,7 @@ import numpy_reference
 from conftest import (
     F32_REROUNDING_BOUND,
     assert_matches,
+    assert_mixed_in_f32_and_rounded_once,
     random_numpy_params,
     random_params,
     relative_error,
@@ -47,6 +48,10 @@ COLLAPSE_CASES = [
     (3, 600, 37, jnp.float32, True),
     (1, 1, 1, jnp.bfloat16, False),
     (4, 256, 0, jnp.float32, True),
+    (3, 130, 37, jnp.bfloat16, True),  # the pre-apply's bf16 mix, held element by element
+    # The one-hot at n > 1: dx of streams 1..n-1 is zero (an unwritten block holds NaN).
+    (3, 1, 37, jnp.float32, False),
+    (4, 130, 5, jnp.bfloat16, False),
 ]
 
 
@@ -108,6 +113,9 @@ def test_pre_carried_matches_reference(seed, case):
         if value.size:
             tolerance = _tolerance(value.dtype if name != "dcarried" else dtype)
             assert_matches(name, value, want[index], tolerance, lambda r, i=index: perturbed(r, i), f"(seed {seed})")
+    if dtype == jnp.bfloat16 and present:
+        # layer_in mixes x with the carried mix (an input), summed in f32 and rounded once.
+        assert_mixed_in_f32_and_rounded_once("layer_in", forward[0], carried, x, f"(seed {seed})")
     if not present and t:
         # The one-hot's layer_in is stream 0 itself.
         np.testing.assert_array_equal(np.asarray(forward[0], np.float32), np.asarray(x[:, 0], np.float32))
@@ -138,6 +146,9 @@ def test_collapse_matches_reference(seed, case):
                 return numpy_reference.collapse_values(*(round_by_one_unit(rng, a) for a in inputs))[i]
 
             assert_matches(name, value, want[index], _tolerance(dtype), perturbed, f"(seed {seed})")
+    if dtype == jnp.bfloat16:
+        # The collapse's out is the pre-apply's mix (the one-hot: x_0 itself, one term).
+        assert_mixed_in_f32_and_rounded_once("out", out, mix, x, f"(seed {seed})")
 
 
 def test_boundary_carried_equals_separate_kernels_bit_for_bit(seed):
