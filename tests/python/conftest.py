@@ -12,6 +12,7 @@ import pytest
 
 import mhc.jax as mj
 import numpy_reference
+from mhc.jax import _kernels
 
 
 @pytest.fixture
@@ -168,6 +169,18 @@ def assert_post_mixed_in_f32_and_rounded_once(out, x, layer_out, h_post, h_res, 
     weights = np.concatenate([np.swapaxes(h_res, -1, -2), h_post[..., None]], axis=-1)  # [..., n (j), n + 1]
     streams = np.concatenate([x, layer_out[..., None, :]], axis=-2)[..., None, :, :]  # [..., 1, n + 1, D]
     assert_mixed_in_f32_and_rounded_once("out", out, weights, streams, context)
+
+
+def assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config: mj.Config, values: dict, context=""):
+    """layer_in and out of a bf16 pre -> post on the CPU kernel path (values: sublayer_values')
+    held to the precision policy element by element, with the kernels' own f32 coefficients (the
+    mhc_pre_forward target on the same x: bitwise those the jitted sublayer used)."""
+    n, d = x.shape[-2:]
+    lead = x.shape[:-2]
+    _, h_pre, h_post, h_res = _kernels.pre_forward(config, jnp.reshape(x, (-1, n, d)), params)
+    assert_mixed_in_f32_and_rounded_once("layer_in", values["layer_in"], h_pre.reshape(*lead, n), x, context)
+    h_post, h_res = h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
+    assert_post_mixed_in_f32_and_rounded_once(values["out"], x, layer_out, h_post, h_res, context)
 
 
 def round_by_one_unit(rng: np.random.Generator, value):

@@ -11,7 +11,13 @@ import pytest
 
 import mhc.jax as mj
 import numpy_reference
-from conftest import assert_matches, random_params, round_by_one_unit, sublayer_values
+from conftest import (
+    assert_kernel_sublayer_mixes_rounded_once,
+    assert_matches,
+    random_params,
+    round_by_one_unit,
+    sublayer_values,
+)
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # Every config scalar away from its default (and from the others), so that an FFI layer that drops
@@ -61,3 +67,5 @@ def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
         tol = TOLERANCE[jnp.bfloat16 if got.dtype == jnp.bfloat16 else jnp.float32]
         resample = lambda rng, name=name: perturbed(name, rng)  # noqa: E731
         assert_matches(name, got, want_values[name], tol, resample, f"(seed {seed})")
+    if dtype == jnp.bfloat16:
+        assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config, got_values, f"(seed {seed})")
