@@ -183,6 +183,37 @@ def assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config: mj.C
     assert_post_mixed_in_f32_and_rounded_once(values["out"], x, layer_out, h_post, h_res, context)
 
 
+def chain_values(x, sublayers, dout, noise=None):
+    """A DeepSeek-V4 chain of sublayers in float64, the oracle of a JAX chain's f32 evaluations
+    (each path against it with assert_matches, never two paths with each other): sublayers =
+    [(params, config, branch)], branch(layer_in) -> layer_out a jnp function of the test's own,
+    run in float64 (jax's x64 mode) with its VJP; pre and post from numpy_reference (noise: its
+    noise=). Returns (out, dx, [dparams per sublayer]) for the cotangent dout of out, float64."""
+    streams = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    saved = []
+    for params, config, branch in sublayers:
+        layer_in, _ = numpy_reference.forward(
+            streams, np.zeros(streams.shape[:-2] + streams.shape[-1:]), params, config, noise
+        )
+        with jax.enable_x64(True):
+            layer_out, branch_vjp = jax.vjp(branch, jnp.asarray(layer_in, jnp.float64))
+        layer_out = np.asarray(layer_out, np.float64)
+        saved.append((streams, layer_out, branch_vjp, params, config))
+        streams = numpy_reference.forward(streams, layer_out, params, config, noise)[1]
+    g = np.asarray(jnp.asarray(dout, jnp.float32), np.float64)
+    grads = []
+    for before, layer_out, branch_vjp, params, config in reversed(saved):
+        # dlayer_out = sum_j h_post[j] g_j does not depend on dlayer_in: one backward for it, one
+        # with dlayer_in from the branch's VJP.
+        zero = np.zeros(layer_out.shape)
+        _, dlayer_out, _ = numpy_reference.backward(before, layer_out, params, config, zero, g)
+        with jax.enable_x64(True):
+            (dlayer_in,) = branch_vjp(jnp.asarray(dlayer_out, jnp.float64))
+        g, _, dparams = numpy_reference.backward(before, layer_out, params, config, np.asarray(dlayer_in), g, noise)
+        grads.append(dparams)
+    return streams, g, grads[::-1]
+
+
 def round_by_one_unit(rng: np.random.Generator, value):
     """value (an array or a tuple of arrays, e.g. Params) in float64, each element scaled by
     1 + u with |u| <= 2^-24: a rounding of the inputs by up to one f32 unit."""
