@@ -186,32 +186,70 @@ def assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config: mj.C
 def chain_values(x, sublayers, dout, noise=None):
     """A DeepSeek-V4 chain of sublayers in float64, the oracle of a JAX chain's f32 evaluations
     (each path against it with assert_matches, never two paths with each other): sublayers =
-    [(params, config, branch)], branch(layer_in) -> layer_out a jnp function of the test's own,
-    run in float64 (jax's x64 mode) with its VJP; pre and post from numpy_reference (noise: its
-    noise=). Returns (out, dx, [dparams per sublayer]) for the cotangent dout of out, float64."""
-    streams = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    [(params, config, branch)] or [(params, config, branch, branch_args)], branch(layer_in,
+    *branch_args) -> layer_out a jnp function of the test's own, run in float64 (jax's x64 mode)
+    with its VJP; pre and post from numpy_reference (noise: its noise=). Returns (out, dx, [dparams
+    per sublayer], [the gradients of branch_args per sublayer]) for the cotangent dout of out."""
+    streams = _f64(x)
     saved = []
-    for params, config, branch in sublayers:
-        layer_in, _ = numpy_reference.forward(
-            streams, np.zeros(streams.shape[:-2] + streams.shape[-1:]), params, config, noise
-        )
+    for params, config, branch, *rest in sublayers:
+        branch_args = tuple(rest[0]) if rest else ()
+        no_layer_out = np.zeros(streams.shape[:-2] + streams.shape[-1:])  # layer_in does not read it
+        layer_in, _ = numpy_reference.forward(streams, no_layer_out, params, config, noise)
         with jax.enable_x64(True):
-            layer_out, branch_vjp = jax.vjp(branch, jnp.asarray(layer_in, jnp.float64))
+            layer_out, branch_vjp = jax.vjp(branch, *(jnp.asarray(_f64(a)) for a in (layer_in, *branch_args)))
         layer_out = np.asarray(layer_out, np.float64)
         saved.append((streams, layer_out, branch_vjp, params, config))
         streams = numpy_reference.forward(streams, layer_out, params, config, noise)[1]
-    g = np.asarray(jnp.asarray(dout, jnp.float32), np.float64)
-    grads = []
+    g = _f64(dout)
+    grads, branch_grads = [], []
     for before, layer_out, branch_vjp, params, config in reversed(saved):
         # dlayer_out = sum_j h_post[j] g_j does not depend on dlayer_in: one backward for it, one
         # with dlayer_in from the branch's VJP.
         zero = np.zeros(layer_out.shape)
         _, dlayer_out, _ = numpy_reference.backward(before, layer_out, params, config, zero, g)
         with jax.enable_x64(True):
-            (dlayer_in,) = branch_vjp(jnp.asarray(dlayer_out, jnp.float64))
-        g, _, dparams = numpy_reference.backward(before, layer_out, params, config, np.asarray(dlayer_in), g, noise)
+            dlayer_in, *dbranch_args = (np.asarray(a) for a in branch_vjp(jnp.asarray(dlayer_out)))
+        g, _, dparams = numpy_reference.backward(before, layer_out, params, config, dlayer_in, g, noise)
         grads.append(dparams)
-    return streams, g, grads[::-1]
+        branch_grads.append(dbranch_args)
+    return streams, g, grads[::-1], branch_grads[::-1]
+
+
+def perturbed_chain_values(rng, x, sublayers, dout):
+    """chain_values on inputs, parameters and branch arguments moved by round_by_one_unit(rng, ...)
+    and with noise=rng: the spread that assert_matches' rule measures."""
+    moved = [
+        (round_by_one_unit(rng, params), config, branch, *([tuple(round_by_one_unit(rng, a) for a in r) for r in rest]))
+        for params, config, branch, *rest in sublayers
+    ]
+    return chain_values(round_by_one_unit(rng, x), moved, round_by_one_unit(rng, dout), noise=rng)
+
+
+def assert_chain_matches(got, x, sublayers, dout, context=""):
+    """A V4 chain's f32 results against chain_values with the one accuracy rule (f32 bound 1e-5):
+    got is a dict with any of "out", "dx", "dparams" (one Params per sublayer, any shapes that
+    reshape to the flat layout), "dbranch" (one tuple per sublayer, as branch_args)."""
+    keys = ("out", "dx", "dparams", "dbranch")
+    want = dict(zip(keys, chain_values(x, sublayers, dout), strict=True))
+
+    def perturbed(rng, key, *index):
+        value = perturbed_chain_values(rng, x, sublayers, dout)[keys.index(key)]
+        for i in index:
+            value = value[i]
+        return value
+
+    for key, value in got.items():
+        if key in ("out", "dx"):
+            assert_matches(key, value, want[key], 1e-5, lambda rng, k=key: perturbed(rng, k), context)
+            continue
+        for layer, tensors in enumerate(value):
+            for index, tensor in enumerate(tensors):
+                expected = want[key][layer][index]
+                name = f"{key}[{layer}][{index}]"
+                tensor = jnp.reshape(tensor, np.shape(expected))
+                resample = lambda rng, k=key, s=layer, i=index: perturbed(rng, k, s, i)  # noqa: E731
+                assert_matches(name, tensor, expected, 1e-5, resample, context)
 
 
 def round_by_one_unit(rng: np.random.Generator, value):
