@@ -189,7 +189,8 @@ def chain_values(x, sublayers, dout, noise=None):
     [(params, config, branch)] or [(params, config, branch, branch_args)], branch(layer_in,
     *branch_args) -> layer_out a jnp function of the test's own, run in float64 (jax's x64 mode)
     with its VJP; pre and post from numpy_reference (noise: its noise=). Returns (out, dx, [dparams
-    per sublayer], [the gradients of branch_args per sublayer]) for the cotangent dout of out."""
+    per sublayer], [the gradients of branch_args per sublayer]) for the cotangent dout of out (or
+    dout(out) for a callable: a loss such as sum(sin(out)) has the cotangent cos(out))."""
     streams = _f64(x)
     saved = []
     for params, config, branch, *rest in sublayers:
@@ -201,7 +202,7 @@ def chain_values(x, sublayers, dout, noise=None):
         layer_out = np.asarray(layer_out, np.float64)
         saved.append((streams, layer_out, branch_vjp, params, config))
         streams = numpy_reference.forward(streams, layer_out, params, config, noise)[1]
-    g = _f64(dout)
+    g = dout(streams) if callable(dout) else _f64(dout)
     grads, branch_grads = [], []
     for before, layer_out, branch_vjp, params, config in reversed(saved):
         # dlayer_out = sum_j h_post[j] g_j does not depend on dlayer_in: one backward for it, one
@@ -223,7 +224,8 @@ def perturbed_chain_values(rng, x, sublayers, dout):
         (round_by_one_unit(rng, params), config, branch, *([tuple(round_by_one_unit(rng, a) for a in r) for r in rest]))
         for params, config, branch, *rest in sublayers
     ]
-    return chain_values(round_by_one_unit(rng, x), moved, round_by_one_unit(rng, dout), noise=rng)
+    dout = dout if callable(dout) else round_by_one_unit(rng, dout)
+    return chain_values(round_by_one_unit(rng, x), moved, dout, noise=rng)
 
 
 def assert_chain_matches(got, x, sublayers, dout, context=""):
