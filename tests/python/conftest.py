@@ -171,6 +171,21 @@ def assert_post_mixed_in_f32_and_rounded_once(out, x, layer_out, h_post, h_res, 
     assert_mixed_in_f32_and_rounded_once("out", out, weights, streams, context)
 
 
+def assert_sublayer_matches_reference(got: dict, x, layer_out, params, config: mj.Config, cotangents, context=""):
+    """Any of sublayer_values' tensors (a dict by numpy_reference.NAMES) against the float64
+    oracle with the one rule: the spec's bound by the tensor's dtype (bf16 1e-2, f32 1e-5, every
+    parameter gradient f32), or SPREAD_MULTIPLE x the oracle's spread."""
+    want = numpy_reference.values(x, layer_out, params, config, *cotangents)
+
+    def perturbed(name, rng):
+        x_, lo_, params_, w_in, w_out = (round_by_one_unit(rng, v) for v in (x, layer_out, params, *cotangents))
+        return numpy_reference.values(x_, lo_, params_, config, w_in, w_out, noise=rng)[name]
+
+    for name, value in got.items():
+        tolerance = 1e-2 if value.dtype == jnp.bfloat16 else 1e-5
+        assert_matches(name, value, want[name], tolerance, lambda rng, name=name: perturbed(name, rng), context)
+
+
 def assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config: mj.Config, values: dict, context=""):
     """layer_in and out of a bf16 pre -> post on the CPU kernel path (values: sublayer_values')
     held to the precision policy element by element, with the kernels' own f32 coefficients (the
