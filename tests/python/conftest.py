@@ -232,6 +232,38 @@ def chain_values(x, sublayers, dout, noise=None):
     return streams, g, grads[::-1], branch_grads[::-1]
 
 
+def carried_chain_values(x, sublayers, dout, noise=None):
+    """chain_values for DeepSeek-V4.1 (spec: Single-pass schedule): each pre-apply mixes with the
+    previous sublayer's h_pre (the first with the one-hot on stream 0), and the chain ends in the
+    collapse by the last h_pre; dout is the collapse's cotangent [..., D]. numpy_reference's
+    carried_values and collapse_values, the branches as in chain_values."""
+    streams, carried, saved = _f64(x), None, []
+    for params, config, branch, *rest in sublayers:
+        branch_args = tuple(rest[0]) if rest else ()
+        zeros = np.zeros(streams.shape[:-2] + streams.shape[-1:])
+        no_cotangents = (zeros, np.zeros(streams.shape[:-1]), np.zeros(streams.shape))
+        values = numpy_reference.carried_values(streams, zeros, params, config, carried, *no_cotangents, noise)
+        with jax.enable_x64(True):
+            branch_inputs = (jnp.asarray(_f64(a)) for a in (values["layer_in"], *branch_args))
+            layer_out, branch_vjp = jax.vjp(branch, *branch_inputs)
+        layer_out = np.asarray(layer_out, np.float64)
+        values = numpy_reference.carried_values(streams, layer_out, params, config, carried, *no_cotangents, noise)
+        saved.append((streams, carried, layer_out, branch_vjp, params, config))
+        streams, carried = values["out"], values["h_pre"]
+    out, g, dh_pre = numpy_reference.collapse_values(streams, carried, _f64(dout))
+    grads, branch_grads = [], []
+    for before, carried, layer_out, branch_vjp, params, config in reversed(saved):
+        zero = np.zeros(layer_out.shape)  # dlayer_out does not depend on dlayer_in
+        dlayer_out = numpy_reference.carried_values(before, layer_out, params, config, carried, zero, dh_pre, g)
+        with jax.enable_x64(True):
+            dlayer_in, *dbranch_args = (np.asarray(a) for a in branch_vjp(jnp.asarray(dlayer_out["dlayer_out"])))
+        values = numpy_reference.carried_values(before, layer_out, params, config, carried, dlayer_in, dh_pre, g, noise)
+        g, dh_pre = values["dx"], values["dcarried"]
+        grads.append(tuple(values[name] for name in ("dnorm_weight", "dphi", "dalpha", "dbias")))
+        branch_grads.append(dbranch_args)
+    return out, g, grads[::-1], branch_grads[::-1]
+
+
 def perturbed_chain_values(rng, x, sublayers, dout):
     """chain_values on inputs, parameters and branch arguments moved by round_by_one_unit(rng, ...)
     and with noise=rng: the spread that assert_matches' rule measures."""
@@ -240,15 +272,18 @@ def perturbed_chain_values(rng, x, sublayers, dout):
         for params, config, branch, *rest in sublayers
     ]
     dout = dout if callable(dout) else round_by_one_unit(rng, dout)
-    return chain_values(round_by_one_unit(rng, x), moved, dout, noise=rng)
+    values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
+    return values(round_by_one_unit(rng, x), moved, dout, noise=rng)
 
 
 def assert_chain_matches(got, x, sublayers, dout, context=""):
-    """A V4 chain's f32 results against chain_values with the one accuracy rule (f32 bound 1e-5):
+    """A chain's f32 results against chain_values (V4) or carried_chain_values (V4.1, ending in the
+    collapse) with the one accuracy rule (f32 bound 1e-5):
     got is a dict with any of "out", "dx", "dparams" (one Params per sublayer, any shapes that
     reshape to the flat layout), "dbranch" (one tuple per sublayer, as branch_args)."""
     keys = ("out", "dx", "dparams", "dbranch")
-    want = dict(zip(keys, chain_values(x, sublayers, dout), strict=True))
+    values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
+    want = dict(zip(keys, values(x, sublayers, dout), strict=True))
 
     def perturbed(rng, key, *index):
         value = perturbed_chain_values(rng, x, sublayers, dout)[keys.index(key)]

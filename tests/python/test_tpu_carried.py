@@ -21,7 +21,7 @@ import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
 from conftest import (
-    F32_REROUNDING_BOUND,
+    assert_chain_matches,
     assert_matches,
     assert_mixed_in_f32_and_rounded_once,
     random_numpy_params,
@@ -292,15 +292,18 @@ def test_a_v41_chain_on_the_tpu_path_matches_the_cpu_kernels(seed):
         state = mj.stack(x, [(p, config, jnp.tanh) for p in layers], fallback="error")
         return jnp.sum(mj.collapse(state) * w)
 
-    run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    want = jax.tree.leaves(run(x, layers))
+    gradients = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    collapsed = jax.jit(lambda x, layers: mj.collapse(mj.stack(x, [(p, config, jnp.tanh) for p in layers])))
+    sublayers = [(p, config, jnp.tanh) for p in layers]
+
+    def check(path):  # each path against the float64 V4.1 chain, never the two at a bound
+        dx, dlayers = gradients(x, layers)
+        got = {"out": collapsed(x, layers), "dx": dx, "dparams": dlayers}
+        assert_chain_matches(got, x, sublayers, w, f"({path}, seed {seed})")
+
+    check("CPU kernels")
     with interpret_on_cpu():
-        got = jax.tree.leaves(run(x, layers))
-    for index, (a, b) in enumerate(zip(got, want, strict=True)):
-        error = relative_error(a, b)
-        # Two f32 evaluations (the TPU path's, the CPU kernels'), each within the spec's bound.
-        bound = F32_REROUNDING_BOUND
-        assert error <= bound, f"leaf {index} of (loss, dx, dparams): relative error {error:.3g} (seed {seed})"
+        check("TPU path")
 
 
 def test_the_v41_api_exports_for_tpu_with_mosaic_kernels_only():
