@@ -235,7 +235,8 @@ def chain_values(x, sublayers, dout, noise=None):
 def carried_chain_values(x, sublayers, dout, noise=None):
     """chain_values for DeepSeek-V4.1 (spec: Single-pass schedule): each pre-apply mixes with the
     previous sublayer's h_pre (the first with the one-hot on stream 0), and the chain ends in the
-    collapse by the last h_pre; dout is the collapse's cotangent [..., D]. numpy_reference's
+    collapse by the last h_pre; dout is the collapse's cotangent [..., D] (or a callable of out, as in
+    chain_values). numpy_reference's
     carried_values and collapse_values, the branches as in chain_values."""
     streams, carried, saved = _f64(x), None, []
     for params, config, branch, *rest in sublayers:
@@ -250,7 +251,8 @@ def carried_chain_values(x, sublayers, dout, noise=None):
         values = numpy_reference.carried_values(streams, layer_out, params, config, carried, *no_cotangents, noise)
         saved.append((streams, carried, layer_out, branch_vjp, params, config))
         streams, carried = values["out"], values["h_pre"]
-    out, g, dh_pre = numpy_reference.collapse_values(streams, carried, _f64(dout))
+    out = numpy_reference.collapse_values(streams, carried, np.zeros(streams.shape[:-2] + streams.shape[-1:]))[0]
+    out, g, dh_pre = numpy_reference.collapse_values(streams, carried, dout(out) if callable(dout) else _f64(dout))
     grads, branch_grads = [], []
     for before, carried, layer_out, branch_vjp, params, config in reversed(saved):
         zero = np.zeros(layer_out.shape)  # dlayer_out does not depend on dlayer_in
