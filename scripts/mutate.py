@@ -71,6 +71,7 @@ TPU_TESTS = "tests/python/test_tpu_kernels.py"
 TPU_PRE_BACKWARD = "python/mhc/tpu/_pre_backward.py"
 TPU_HEAD = "python/mhc/tpu/_head.py"
 TPU_BOUNDARY = "python/mhc/tpu/_boundary.py"
+TPU_COLLAPSE = "python/mhc/tpu/_collapse.py"
 
 MUTATIONS = (
     Mutation(
@@ -443,6 +444,25 @@ MUTATIONS = (
         python_tests=(f"{TPU_TESTS}::test_projection_dots_carry_full_f32_precision[sinkhorn]",),
     ),
     Mutation(
+        "tpu_pre_apply_bf16_running_sum",
+        "the TPU pre_apply (pre, boundary, head, collapse) keeps its running sum in bf16 (x's dtype), not f32",
+        (
+            Edit(
+                TPU_PRE,
+                "    layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)\n"
+                "    for k in range(1, n):\n"
+                "        layer_in += gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32)\n",
+                "    layer_in = (gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)).astype(x_ref.dtype)\n"
+                "    for k in range(1, n):\n"
+                "        layer_in = (layer_in + gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32))"
+                ".astype(x_ref.dtype)\n",
+            ),
+        ),
+        python=True,
+        # The norm at 1e-2 passes; the element-wise bound of the precision policy fails.
+        python_tests=(f"{TPU_TESTS}::test_pre_forward_matches_reference[3-1-37-permutations-bfloat16-default]",),
+    ),
+    Mutation(
         "tpu_dh_res_shifted",
         "the TPU post backward's dh_res[i, j] pairs x_i with g_(j+1 mod n) instead of g_j",
         (
@@ -476,6 +496,22 @@ MUTATIONS = (
         python=True,
         python_tests=(
             "tests/python/test_tpu_pre_backward.py::test_pre_backward_matches_reference[4-130-300-sinkhorn-float32-default]",
+        ),
+    ),
+    Mutation(
+        "tpu_sinkhorn_backward_without_eps",
+        "the TPU pre backward's Sinkhorn column step divides by the column sum without sinkhorn_eps",
+        (
+            Edit(
+                TPU_PRE_BACKWARD,
+                "divisor = jnp.where(valid, functools.reduce(jnp.add, inputs) + eps, 1.0)",
+                "divisor = jnp.where(valid, functools.reduce(jnp.add, inputs), 1.0)",
+            ),
+        ),
+        python=True,
+        # sinkhorn_eps = 0.05: at the default 1e-6 the error is about the bound itself.
+        python_tests=(
+            "tests/python/test_tpu_pre_backward.py::test_pre_backward_matches_reference[4-1-37-sinkhorn-float32-custom]",
         ),
     ),
     Mutation(
@@ -528,6 +564,20 @@ MUTATIONS = (
         python_tests=(
             "tests/python/test_tpu_carried.py::test_pre_carried_matches_reference[4-130-37-sinkhorn-float32-True-custom]",
         ),
+    ),
+    Mutation(
+        "tpu_one_hot_collapse_dx_unwritten",
+        "the TPU one-hot collapse backward writes dx of stream 0 only, leaving streams 1..n-1 unwritten",
+        (
+            Edit(
+                TPU_COLLAPSE,
+                "        for k in range(1, n):\n            dx_ref[:, k, :] = jnp.zeros(dout.shape, dx_ref.dtype)\n",
+                "",
+            ),
+        ),
+        python=True,
+        # n = 1 has no other stream: the one-hot at n = 3.
+        python_tests=("tests/python/test_tpu_carried.py::test_collapse_matches_reference[3-1-37-float32-False]",),
     ),
 )
 

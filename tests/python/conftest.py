@@ -14,6 +14,7 @@ import pytest
 
 import mhc.jax as mj
 import numpy_reference
+from mhc.jax import _kernels
 
 
 @pytest.fixture
@@ -48,13 +49,6 @@ def random_numpy_params(rng: np.random.Generator, config: mj.Config, d: int) -> 
         alpha=(sign * rng.uniform(0.5, 1.5, size=3)).astype(np.float32),
         bias=rng.standard_normal(width).astype(np.float32),
     )
-
-
-# Two f32 evaluations of the same function that XLA may fuse and round differently (a branch
-# recomputed under jax.checkpoint, a scan body, a vmapped gradient): each is within the spec's f32
-# bound (1e-5) of the exact value, so they are within twice that of each other (a made-up 1e-6
-# failed one seed in a few hundred; 1e-5 failed a parameter gradient whose token sum cancels).
-F32_REROUNDING_BOUND = 2e-5
 
 
 def relative_error(got, want) -> float:
@@ -138,6 +132,183 @@ def assert_matches(name, got, want, tolerance, perturbed, context=""):
         f"{name}: relative error {error:.3g} > allowed {allowed:.3g} = max({tolerance}, "
         f"{SPREAD_MULTIPLE} x reference spread {relative_spread:.3g}) {context}"
     )
+
+
+def _f64(value):
+    return np.asarray(jnp.asarray(value, jnp.float32), np.float64)
+
+
+def assert_mixed_in_f32_and_rounded_once(name, got, weights, streams, context=""):
+    """The precision policy for a bf16 mix (spec: Accuracy), element by element: got [..., D]
+    (bf16) = sum_k weights[..., k] streams[..., k, D], summed in f32 and rounded to bf16 once, is
+    within half a bf16 ulp of got plus the f32 rounding of the sum, K 2^-24 sum_k |w_k s_k|
+    (K terms), of the exact mix (float64, from the same inputs: pass the kernel's own f32
+    coefficients where they are an input of the mix). Leading dims of weights and streams
+    broadcast (the post's out: weights [T, n, n + 1] of the streams [T, 1, n + 1, D]). A norm at
+    1e-2 cannot see a running sum kept in bf16; this can. NaN never passes."""
+    assert got.dtype == jnp.bfloat16, f"{name}: the element-wise bf16 bound holds a bf16 output, got {got.dtype}"
+    terms = _f64(weights)[..., None] * _f64(streams)
+    exact = terms.sum(axis=-2)
+    got64 = _f64(got)
+    assert got64.shape == exact.shape, f"{name}: shape {got64.shape}, the mix's {exact.shape}"
+    # bf16 keeps 8 significant bits: |v| in [2^(e-1), 2^e) has ulp 2^(e-8); the smallest
+    # subnormal step is 2^-133 (got = 0 included).
+    _, exponent = np.frexp(got64)
+    half_ulp = 0.5 * np.exp2(np.maximum(np.where(got64 == 0, -np.inf, exponent - 8.0), -133.0))
+    allowed = half_ulp + terms.shape[-2] * 2.0**-24 * np.abs(terms).sum(axis=-2)
+    error = np.abs(got64 - exact)
+    failing = ~(error <= allowed)  # NaN fails
+    if failing.any():
+        worst = np.unravel_index(np.argmax(np.where(failing, error / allowed, -1.0)), error.shape)
+        raise AssertionError(
+            f"{name}: {int(failing.sum())} of {failing.size} bf16 elements not mixed in f32 and rounded once: "
+            f"at {tuple(int(i) for i in worst)} got {got64[worst]!r}, exact {exact[worst]!r}, "
+            f"|error| {error[worst]:.3g} > allowed {allowed[worst]:.3g} {context}"
+        )
+
+
+def assert_post_mixed_in_f32_and_rounded_once(out, x, layer_out, h_post, h_res, context=""):
+    """out_j = sum_i H_res[i, j] x_i + H_post[j] layer_out (spec: Forward step 8): n + 1 terms per
+    output stream, held to the precision policy element by element."""
+    h_post, h_res, x, layer_out = (_f64(a) for a in (h_post, h_res, x, layer_out))
+    weights = np.concatenate([np.swapaxes(h_res, -1, -2), h_post[..., None]], axis=-1)  # [..., n (j), n + 1]
+    streams = np.concatenate([x, layer_out[..., None, :]], axis=-2)[..., None, :, :]  # [..., 1, n + 1, D]
+    assert_mixed_in_f32_and_rounded_once("out", out, weights, streams, context)
+
+
+def assert_sublayer_matches_reference(got: dict, x, layer_out, params, config: mj.Config, cotangents, context=""):
+    """Any of sublayer_values' tensors (a dict by numpy_reference.NAMES) against the float64
+    oracle with the one rule: the spec's bound by the tensor's dtype (bf16 1e-2, f32 1e-5, every
+    parameter gradient f32), or SPREAD_MULTIPLE x the oracle's spread."""
+    want = numpy_reference.values(x, layer_out, params, config, *cotangents)
+
+    def perturbed(name, rng):
+        x_, lo_, params_, w_in, w_out = (round_by_one_unit(rng, v) for v in (x, layer_out, params, *cotangents))
+        return numpy_reference.values(x_, lo_, params_, config, w_in, w_out, noise=rng)[name]
+
+    for name, value in got.items():
+        tolerance = 1e-2 if value.dtype == jnp.bfloat16 else 1e-5
+        assert_matches(name, value, want[name], tolerance, lambda rng, name=name: perturbed(name, rng), context)
+
+
+def assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config: mj.Config, values: dict, context=""):
+    """layer_in and out of a bf16 pre -> post on the CPU kernel path (values: sublayer_values')
+    held to the precision policy element by element, with the kernels' own f32 coefficients (the
+    mhc_pre_forward target on the same x: bitwise those the jitted sublayer used)."""
+    n, d = x.shape[-2:]
+    lead = x.shape[:-2]
+    _, h_pre, h_post, h_res = _kernels.pre_forward(config, jnp.reshape(x, (-1, n, d)), params)
+    assert_mixed_in_f32_and_rounded_once("layer_in", values["layer_in"], h_pre.reshape(*lead, n), x, context)
+    h_post, h_res = h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
+    assert_post_mixed_in_f32_and_rounded_once(values["out"], x, layer_out, h_post, h_res, context)
+
+
+def chain_values(x, sublayers, dout, noise=None):
+    """A DeepSeek-V4 chain of sublayers in float64, the oracle of a JAX chain's f32 evaluations
+    (each path against it with assert_matches, never two paths with each other): sublayers =
+    [(params, config, branch)] or [(params, config, branch, branch_args)], branch(layer_in,
+    *branch_args) -> layer_out a jnp function of the test's own, run in float64 (jax's x64 mode)
+    with its VJP; pre and post from numpy_reference (noise: its noise=). Returns (out, dx, [dparams
+    per sublayer], [the gradients of branch_args per sublayer]) for the cotangent dout of out (or
+    dout(out) for a callable: a loss such as sum(sin(out)) has the cotangent cos(out))."""
+    streams = _f64(x)
+    saved = []
+    for params, config, branch, *rest in sublayers:
+        branch_args = tuple(rest[0]) if rest else ()
+        no_layer_out = np.zeros(streams.shape[:-2] + streams.shape[-1:])  # layer_in does not read it
+        layer_in, _ = numpy_reference.forward(streams, no_layer_out, params, config, noise)
+        with jax.enable_x64(True):
+            layer_out, branch_vjp = jax.vjp(branch, *(jnp.asarray(_f64(a)) for a in (layer_in, *branch_args)))
+        layer_out = np.asarray(layer_out, np.float64)
+        saved.append((streams, layer_out, branch_vjp, params, config))
+        streams = numpy_reference.forward(streams, layer_out, params, config, noise)[1]
+    g = dout(streams) if callable(dout) else _f64(dout)
+    grads, branch_grads = [], []
+    for before, layer_out, branch_vjp, params, config in reversed(saved):
+        # dlayer_out = sum_j h_post[j] g_j does not depend on dlayer_in: one backward for it, one
+        # with dlayer_in from the branch's VJP.
+        zero = np.zeros(layer_out.shape)
+        _, dlayer_out, _ = numpy_reference.backward(before, layer_out, params, config, zero, g)
+        with jax.enable_x64(True):
+            dlayer_in, *dbranch_args = (np.asarray(a) for a in branch_vjp(jnp.asarray(dlayer_out)))
+        g, _, dparams = numpy_reference.backward(before, layer_out, params, config, dlayer_in, g, noise)
+        grads.append(dparams)
+        branch_grads.append(dbranch_args)
+    return streams, g, grads[::-1], branch_grads[::-1]
+
+
+def carried_chain_values(x, sublayers, dout, noise=None):
+    """chain_values for DeepSeek-V4.1 (spec: Single-pass schedule): each pre-apply mixes with the
+    previous sublayer's h_pre (the first with the one-hot on stream 0), and the chain ends in the
+    collapse by the last h_pre; dout is the collapse's cotangent [..., D] (or a callable of out, as in
+    chain_values). numpy_reference's
+    carried_values and collapse_values, the branches as in chain_values."""
+    streams, carried, saved = _f64(x), None, []
+    for params, config, branch, *rest in sublayers:
+        branch_args = tuple(rest[0]) if rest else ()
+        zeros = np.zeros(streams.shape[:-2] + streams.shape[-1:])
+        no_cotangents = (zeros, np.zeros(streams.shape[:-1]), np.zeros(streams.shape))
+        values = numpy_reference.carried_values(streams, zeros, params, config, carried, *no_cotangents, noise)
+        with jax.enable_x64(True):
+            branch_inputs = (jnp.asarray(_f64(a)) for a in (values["layer_in"], *branch_args))
+            layer_out, branch_vjp = jax.vjp(branch, *branch_inputs)
+        layer_out = np.asarray(layer_out, np.float64)
+        values = numpy_reference.carried_values(streams, layer_out, params, config, carried, *no_cotangents, noise)
+        saved.append((streams, carried, layer_out, branch_vjp, params, config))
+        streams, carried = values["out"], values["h_pre"]
+    out = numpy_reference.collapse_values(streams, carried, np.zeros(streams.shape[:-2] + streams.shape[-1:]))[0]
+    out, g, dh_pre = numpy_reference.collapse_values(streams, carried, dout(out) if callable(dout) else _f64(dout))
+    grads, branch_grads = [], []
+    for before, carried, layer_out, branch_vjp, params, config in reversed(saved):
+        zero = np.zeros(layer_out.shape)  # dlayer_out does not depend on dlayer_in
+        dlayer_out = numpy_reference.carried_values(before, layer_out, params, config, carried, zero, dh_pre, g)
+        with jax.enable_x64(True):
+            dlayer_in, *dbranch_args = (np.asarray(a) for a in branch_vjp(jnp.asarray(dlayer_out["dlayer_out"])))
+        values = numpy_reference.carried_values(before, layer_out, params, config, carried, dlayer_in, dh_pre, g, noise)
+        g, dh_pre = values["dx"], values["dcarried"]
+        grads.append(tuple(values[name] for name in ("dnorm_weight", "dphi", "dalpha", "dbias")))
+        branch_grads.append(dbranch_args)
+    return out, g, grads[::-1], branch_grads[::-1]
+
+
+def perturbed_chain_values(rng, x, sublayers, dout):
+    """chain_values on inputs, parameters and branch arguments moved by round_by_one_unit(rng, ...)
+    and with noise=rng: the spread that assert_matches' rule measures."""
+    moved = [
+        (round_by_one_unit(rng, params), config, branch, *([tuple(round_by_one_unit(rng, a) for a in r) for r in rest]))
+        for params, config, branch, *rest in sublayers
+    ]
+    dout = dout if callable(dout) else round_by_one_unit(rng, dout)
+    values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
+    return values(round_by_one_unit(rng, x), moved, dout, noise=rng)
+
+
+def assert_chain_matches(got, x, sublayers, dout, context=""):
+    """A chain's f32 results against chain_values (V4) or carried_chain_values (V4.1, ending in the
+    collapse) with the one accuracy rule (f32 bound 1e-5):
+    got is a dict with any of "out", "dx", "dparams" (one Params per sublayer, any shapes that
+    reshape to the flat layout), "dbranch" (one tuple per sublayer, as branch_args)."""
+    keys = ("out", "dx", "dparams", "dbranch")
+    values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
+    want = dict(zip(keys, values(x, sublayers, dout), strict=True))
+
+    def perturbed(rng, key, *index):
+        value = perturbed_chain_values(rng, x, sublayers, dout)[keys.index(key)]
+        for i in index:
+            value = value[i]
+        return value
+
+    for key, value in got.items():
+        if key in ("out", "dx"):
+            assert_matches(key, value, want[key], 1e-5, lambda rng, k=key: perturbed(rng, k), context)
+            continue
+        for layer, tensors in enumerate(value):
+            for index, tensor in enumerate(tensors):
+                expected = want[key][layer][index]
+                name = f"{key}[{layer}][{index}]"
+                tensor = jnp.reshape(tensor, np.shape(expected))
+                resample = lambda rng, k=key, s=layer, i=index: perturbed(rng, k, s, i)  # noqa: E731
+                assert_matches(name, tensor, expected, 1e-5, resample, context)
 
 
 def round_by_one_unit(rng: np.random.Generator, value):

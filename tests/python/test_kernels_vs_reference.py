@@ -10,10 +10,13 @@ import jax.numpy as jnp
 import pytest
 
 import mhc.jax as mj
-import numpy_reference
-from conftest import assert_matches, random_params, round_by_one_unit, sublayer_values
+from conftest import (
+    assert_kernel_sublayer_mixes_rounded_once,
+    assert_sublayer_matches_reference,
+    random_params,
+    sublayer_values,
+)
 
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # Every config scalar away from its default (and from the others), so that an FFI layer that drops
 # one fails: the kernels would then run with the default.
 CUSTOM = dict(pre_eps=0.1, sinkhorn_eps=0.05, rms_eps=0.5, post_scale=1.3)
@@ -49,15 +52,7 @@ def check_outputs_and_gradients(seed, dtype, config, d, x_scale=1.0):
     w_out = jax.random.normal(kout, (*lead, n, d), jnp.float32).astype(dtype)
 
     got_values = sublayer_values(x, layer_out, params, config, (w_in, w_out))
-    want_values = numpy_reference.values(x, layer_out, params, config, w_in, w_out)
     assert got_values["dx"].dtype == x.dtype and got_values["dlayer_out"].dtype == layer_out.dtype
-
-    def perturbed(name, rng):
-        inputs = (x, layer_out, params, w_in, w_out)
-        x_, lo_, params_, w_in_, w_out_ = (round_by_one_unit(rng, v) for v in inputs)
-        return numpy_reference.values(x_, lo_, params_, config, w_in_, w_out_, noise=rng)[name]
-
-    for name, got in got_values.items():
-        tol = TOLERANCE[jnp.bfloat16 if got.dtype == jnp.bfloat16 else jnp.float32]
-        resample = lambda rng, name=name: perturbed(name, rng)  # noqa: E731
-        assert_matches(name, got, want_values[name], tol, resample, f"(seed {seed})")
+    assert_sublayer_matches_reference(got_values, x, layer_out, params, config, (w_in, w_out), f"(seed {seed})")
+    if dtype == jnp.bfloat16:
+        assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config, got_values, f"(seed {seed})")

@@ -15,7 +15,7 @@ import pytest
 from jax.extend import core as jcore
 
 import mhc.jax as mj
-from conftest import F32_REROUNDING_BOUND, random_params, relative_error, saved_residuals
+from conftest import assert_chain_matches, assert_matches, random_params, round_by_one_unit, saved_residuals
 from mhc.jax import _kernels
 from mhc.models import causal_attention, gelu
 
@@ -268,8 +268,11 @@ def _subprocess_cases(seed=0):
     _assert_same_bits(got, want, "tokens sharded")
     assert got[0].sharding.spec[0] == "data", got[0].sharding  # dx stays sharded like x
     unchecked = _gradients(lambda *a: _loss(*a, recompute=None), x, params, weights)
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(unchecked), strict=True):
-        assert relative_error(a, b) <= F32_REROUNDING_BOUND, f"{jax.tree_util.keystr(path)}: {relative_error(a, b):.3g}"
+    # Each against the float64 chain with the one accuracy rule (loss sum(sin(out)): dout = cos(out)).
+    sublayers = [(p, CONFIG, lambda h, w: _attention(w)(h), (w,)) for p, w in zip(params, weights, strict=True)]
+    for label, (dx, dparams, dweights) in (("recompute=2", got), ("no recompute", unchecked)):
+        got_values = {"dx": dx, "dparams": dparams, "dbranch": [[w] for w in dweights]}
+        assert_chain_matches(got_values, x, sublayers, np.cos, f"({label}, tokens sharded, seed {seed})")
 
     # memory: XLA's temporaries of the gradient fall when the streams are recomputed (one device,
     # 16 sublayers, 512 tokens, D = 128, a one-dot branch, so that the streams dominate)
@@ -327,11 +330,27 @@ def test_the_models_attention_is_jaxs_and_keeps_one_score_array(seed):
     def jaxs(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
-    assert relative_error(causal_attention(q, k, v), jaxs(q, k, v)) <= 1e-6
-    got = jax.grad(loss(causal_attention), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(jaxs), argnums=(0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", got, want, strict=True):
-        assert relative_error(a, b) <= 1e-5, f"d{name}: {relative_error(a, b):.3g} (seed {seed})"
+    def float64(q, k, v, weight):
+        """jax's attention in float64 (x64 mode): the values and the gradients wrt q, k, v."""
+        with jax.enable_x64(True):
+            q, k, v, weight = (jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, weight))
+            out = jaxs(q, k, v)
+            grads = jax.grad(lambda *a: jnp.sum(jnp.sin(jaxs(*a)) * weight), argnums=(0, 1, 2))(q, k, v)
+            return [np.asarray(a) for a in (out, *grads)]
+
+    # Each attention against the float64 one with the one accuracy rule, never with each other.
+    want = float64(q, k, v, weight)
+    for attention in (causal_attention, jaxs):
+        got = [attention(q, k, v), *jax.grad(loss(attention), argnums=(0, 1, 2))(q, k, v)]
+        for index, name in enumerate(("out", "dq", "dk", "dv")):
+            assert_matches(
+                name,
+                got[index],
+                want[index],
+                1e-5,
+                lambda rng, i=index: float64(*(round_by_one_unit(rng, a) for a in (q, k, v, weight)))[i],
+                f"({attention.__name__}, seed {seed})",
+            )
     _, backward = jax.vjp(causal_attention, q, k, v)  # its leaves: the residuals it keeps
     scores = [r.shape for r in jax.tree.leaves(backward) if r.shape[-2:] == (seq, seq)]
     assert len(scores) == 1, scores

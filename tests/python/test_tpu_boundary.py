@@ -12,7 +12,13 @@ from jax.experimental.pallas import tpu as pltpu
 import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
-from conftest import assert_matches, random_numpy_params, round_by_one_unit
+from conftest import (
+    assert_matches,
+    assert_mixed_in_f32_and_rounded_once,
+    assert_post_mixed_in_f32_and_rounded_once,
+    random_numpy_params,
+    round_by_one_unit,
+)
 from test_tpu_kernels import CUSTOM, INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _post_problem, _tolerance
 from test_tpu_pre_backward import _oracle as _pre_backward_oracle
 
@@ -93,6 +99,10 @@ def test_boundary_forward_matches_reference(seed, case):
             lambda rng, i=index: perturbed(rng, i),
             f"(seed {seed})",
         )
+    if dtype == jnp.bfloat16:
+        # x_next is the post's mix; layer_in mixes the stored x_next with the kernel's own gates.
+        assert_post_mixed_in_f32_and_rounded_once(got[0], x, layer_out, h_post, h_res, f"(seed {seed})")
+        assert_mixed_in_f32_and_rounded_once("layer_in", got[1], got[2], got[0], f"(seed {seed})")
 
 
 def test_boundary_forward_equals_post_then_pre_and_is_batch_invariant(seed):

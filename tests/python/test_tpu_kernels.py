@@ -21,7 +21,13 @@ from jax.experimental.pallas import tpu as pltpu
 import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
-from conftest import assert_matches, random_numpy_params, round_by_one_unit
+from conftest import (
+    assert_matches,
+    assert_mixed_in_f32_and_rounded_once,
+    assert_post_mixed_in_f32_and_rounded_once,
+    random_numpy_params,
+    round_by_one_unit,
+)
 
 # Two simulated cores share the "parallel" token grid, so a race between them is detected; memory
 # read before it is written holds NaN, and an out-of-bounds access raises.
@@ -92,6 +98,9 @@ def test_pre_forward_matches_reference(seed, case):
             lambda rng, i=index: oracle(round_by_one_unit(rng, x64), round_by_one_unit(rng, params), rng)[i],
             f"(seed {seed})",
         )
+    if dtype == jnp.bfloat16:
+        # layer_in mixes x with the kernel's own f32 gates (spec: Accuracy, the precision policy).
+        assert_mixed_in_f32_and_rounded_once("layer_in", got[0], got[1], x, f"(seed {seed})")
 
 
 def _post_problem(rng, n, d, t, dtype):
@@ -144,6 +153,8 @@ def test_post_forward_and_backward_match_reference(seed, case):
             ],
             f"(seed {seed})",
         )
+    if dtype == jnp.bfloat16:
+        assert_post_mixed_in_f32_and_rounded_once(out, x, layer_out, h_post, h_res, f"(seed {seed})")
 
 
 def _export(function, *args):

@@ -31,6 +31,9 @@ CASES = [
     (3, 600, 37, "sinkhorn", jnp.float32, CUSTOM),  # Dp = 640: five feature chunks
     (4, 1024, 37, "sinkhorn", jnp.bfloat16, {}),  # two chunks of 512
     (3, 130, 0, "sinkhorn", jnp.float32, {}),
+    # A large sinkhorn_eps: the softmax start's backward must use S, not the first step's S + eps
+    # (at the default 1e-6 that bug moves dalpha by about the bound only).
+    (4, 1, 37, "sinkhorn", jnp.float32, {"sinkhorn_eps": 0.05, "sinkhorn_iters": 5}),
 ]
 NAMES = ("dx", "dnorm_weight", "dphi", "dalpha", "dbias")
 
