@@ -27,6 +27,9 @@ from mhc.jax import _kernels
 from mhc.models import ModelConfig, Transformer
 from mhc.tpu.testing import interpret_on_cpu
 
+# The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
+pytestmark = pytest.mark.slow
+
 # (n, D, T, mix, dtype): D = 130 pads to 256 lanes, T = 37 is one ragged token tile.
 CASES = [(4, 130, 37, "sinkhorn", jnp.float32), (3, 1, 5, "permutations", jnp.bfloat16)]
 
