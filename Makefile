@@ -9,11 +9,13 @@ PYTHON := $(VENV)/bin/python
 # the consumer, sanitizer, fuzz and mutation builds. CMake reads these variables when it first
 # configures a build directory (a directory configured before keeps its setting). A fresh clone
 # starts with an empty cache; it still saves the compiles that repeat within one run (make mutate
-# recompiling each restored file; the same flags in several build directories).
-ifneq ($(shell command -v ccache 2> /dev/null),)
-export CMAKE_C_COMPILER_LAUNCHER ?= ccache
-export CMAKE_CXX_COMPILER_LAUNCHER ?= ccache
-export CMAKE_CUDA_COMPILER_LAUNCHER ?= ccache
+# recompiling each restored file). Recursive variables: expanded when a recipe runs, after setup
+# has installed ccache on a fresh machine (empty, so no launcher, where it is missing).
+ccache_path = $(shell command -v ccache 2> /dev/null)
+ifeq ($(origin CMAKE_CXX_COMPILER_LAUNCHER),undefined)
+export CMAKE_C_COMPILER_LAUNCHER = $(ccache_path)
+export CMAKE_CXX_COMPILER_LAUNCHER = $(ccache_path)
+export CMAKE_CUDA_COMPILER_LAUNCHER = $(ccache_path)
 endif
 
 .PHONY: setup configure build python check test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
