@@ -5,7 +5,20 @@ CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release -DMHC_WERROR=ON
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: setup configure build python test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
+# ccache (scripts/setup.sh installs it) under every CMake build of make test: build/, the pip build,
+# the consumer, sanitizer, fuzz and mutation builds. CMake reads these variables when it first
+# configures a build directory (a directory configured before keeps its setting). A fresh clone
+# starts with an empty cache; it still saves the compiles that repeat within one run (make mutate
+# recompiling each restored file). Recursive variables: expanded when a recipe runs, after setup
+# has installed ccache on a fresh machine (empty, so no launcher, where it is missing).
+ccache_path = $(shell command -v ccache 2> /dev/null)
+ifeq ($(origin CMAKE_CXX_COMPILER_LAUNCHER),undefined)
+export CMAKE_C_COMPILER_LAUNCHER = $(ccache_path)
+export CMAKE_CXX_COMPILER_LAUNCHER = $(ccache_path)
+export CMAKE_CUDA_COMPILER_LAUNCHER = $(ccache_path)
+endif
+
+.PHONY: setup configure build python check test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
 	example consumer clean tpu-compile tpu-compile-v4
 
 # Debian packages (scripts/setup.sh installs only what is missing).
@@ -39,6 +52,12 @@ consumer: build
 
 test-python: python
 	@$(PYTHON) -m pytest -q -n $(JOBS) tests/python
+
+# The everyday loop (minutes after the first build): the build, the C++ tests and the Python tests
+# not marked slow (pyproject.toml, "markers", says what counts as slow), without coverage,
+# sanitizers, fuzzing, mutations or lint. make test runs everything.
+check: test-cpp python
+	@$(PYTHON) -m pytest -q -n $(JOBS) -m "not slow" tests/python
 
 # The C++ tests under ASan + UBSan (also measuring C++ line coverage; fails under 85% of src/'s
 # lines) and under TSan (clang).

@@ -18,12 +18,14 @@ and untracked-but-not-ignored files are copied. Stdlib only; the Python stage us
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -429,6 +431,21 @@ MUTATIONS = (
         python_tests=("tests/python/test_interop.py::test_config_from_v4_rejects_what_it_cannot_place",),
     ),
     Mutation(
+        "interpret_switch_outside_cache_keys",
+        "interpret_on_cpu's switch left out of JAX's cache keys: a function compiled outside runs CPU kernels inside",
+        (
+            Edit(
+                "python/mhc/jax/_kernels.py",
+                "    _interpret_on_cpu_key.set_global(interpret)\n",
+                "    pass\n",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_dispatch.py::test_a_function_compiled_outside_runs_the_tpu_kernels_inside",
+        ),
+    ),
+    Mutation(
         "tpu_projection_default_precision",
         "the TPU pre kernel's projection dot drops precision=HIGHEST (default MXU precision, not fp32 contraction)",
         (
@@ -616,15 +633,23 @@ def configure() -> None:
         "-DMHC_BUILD_BENCH=OFF", "-DMHC_BUILD_EXAMPLES=OFF", "-DMHC_BUILD_PYTHON=ON",
         f"-DPython_EXECUTABLE={VENV_PYTHON}",
     ]  # fmt: skip
+    # ccache: each mutation's build recompiles the previous mutation's file, restored to the text
+    # the baseline compiled (a cache hit), besides its own.
+    if shutil.which("ccache"):
+        command.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
     result = run(command)
     if result.returncode != 0:
         sys.exit(f"mutate: configure failed\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
 
 
-def build() -> subprocess.CompletedProcess:
+# The build targets: the C++ test binary and the Python extension (the FFI handlers).
+CPP_TESTS_TARGET, EXTENSION_TARGET = "mhc_tests", "_mhc_cpu"
+
+
+def build(targets=(CPP_TESTS_TARGET, EXTENSION_TARGET)) -> subprocess.CompletedProcess:
     jobs = str(os.cpu_count() or 2)
-    result = run(["cmake", "--build", str(BUILD), "-j", jobs, "--target", "mhc_tests", "_mhc_cpu"])
-    if result.returncode == 0:
+    result = run(["cmake", "--build", str(BUILD), "-j", jobs, "--target", *targets])
+    if result.returncode == 0 and EXTENSION_TARGET in targets:
         for module in BUILD.glob("_mhc_cpu*.so"):
             shutil.copy2(module, TREE / "python" / "mhc" / module.name)
     return result
@@ -633,20 +658,33 @@ def build() -> subprocess.CompletedProcess:
 def cpp_stage(all_failures: bool = False) -> tuple[bool, str]:
     """True when every selected test passes; with the first failing test's name otherwise (with
     all_failures: the number of failing tests, and how many of them are bf16 cases)."""
-    shards, processes = 2, []
-    for index in range(shards):
-        env = dict(os.environ, GTEST_TOTAL_SHARDS=str(shards), GTEST_SHARD_INDEX=str(index))
-        command = [str(BUILD / "mhc_tests"), "--gtest_brief=1", f"--gtest_filter={CPP_FILTER}"]
-        if not all_failures:
-            command.append("--gtest_fail_fast")
-        processes.append(
-            subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    passed, failures = True, []
-    for process in processes:
-        output, _ = process.communicate()
-        if process.returncode != 0:
+    shards = 2
+    with contextlib.ExitStack() as stack:
+        # Files, not pipes: the shards run unread while they are polled below.
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(shards)]
+        processes = []
+        for index, log in enumerate(logs):
+            env = dict(os.environ, GTEST_TOTAL_SHARDS=str(shards), GTEST_SHARD_INDEX=str(index))
+            command = [str(BUILD / "mhc_tests"), "--gtest_brief=1", f"--gtest_filter={CPP_FILTER}"]
+            if not all_failures:
+                command.append("--gtest_fail_fast")
+            processes.append(subprocess.Popen(command, env=env, text=True, stdout=log, stderr=subprocess.STDOUT))
+        stopped = set()  # shards ended early: their sibling failed, and one failure decides the verdict
+        while any(process.poll() is None for process in processes):
+            if not all_failures and any(process.poll() not in (None, 0) for process in processes):
+                for index, process in enumerate(processes):
+                    if process.poll() is None:
+                        process.kill()
+                        stopped.add(index)
+            time.sleep(0.1)
+        passed, failures = True, []
+        for index, (process, log) in enumerate(zip(processes, logs, strict=True)):
+            process.wait()
+            if process.returncode == 0 or index in stopped:
+                continue
             passed = False
+            log.seek(0)
+            output = log.read()
             failures += [
                 line.split("]", 1)[1].split(",")[0].strip()
                 for line in output.splitlines()
@@ -677,6 +715,21 @@ def python_stage(tests=tuple(PYTHON_TESTS)) -> tuple[bool, str]:
         return True, ""
     failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
     return False, (failed[0][7:] if failed else f"pytest exit {result.returncode}")[:110]
+
+
+def build_plan(mutation: Mutation) -> tuple[tuple[str, ...], bool]:
+    """What a mutation rebuilds, and whether the C++ tests run: only what its edits can reach.
+
+    Python files (the TPU kernels, mhc.jax): no build, no C++ tests. The FFI handlers (src/ffi/,
+    compiled into the extension alone): the extension, no C++ tests. Other C++ files: the test
+    binary, and the extension too when the Python stage runs. A target not rebuilt keeps the
+    baseline's build, which is what the unmutated files compile to."""
+    cpp_edits = [edit.path for edit in mutation.edits if not edit.path.endswith(".py")]
+    if not cpp_edits:
+        return (), False
+    reaches_tests = any(not path.startswith("src/ffi/") for path in cpp_edits)
+    targets = ((CPP_TESTS_TARGET,) if reaches_tests else ()) + ((EXTENSION_TARGET,) if mutation.python else ())
+    return targets, reaches_tests
 
 
 def apply(mutation: Mutation) -> dict[Path, str]:
@@ -737,15 +790,13 @@ def main() -> int:
     for index, mutation in enumerate(chosen, 1):
         begun = time.monotonic()
         originals = apply(mutation)
-        # A mutation of Python files only (the TPU kernels) leaves the C++ build and its tests as
-        # the baseline had them: straight to its Python stage.
-        python_only = all(edit.path.endswith(".py") for edit in mutation.edits)
+        targets, run_cpp_tests = build_plan(mutation)
         try:
-            result = None if python_only else build()
+            result = build(targets) if targets else None
             if result is not None and result.returncode != 0:
                 verdict, caught = "does not compile (fix the mutation)", False
             else:
-                passed, detail = (True, "") if python_only else cpp_stage(args.all_failures)
+                passed, detail = cpp_stage(args.all_failures) if run_cpp_tests else (True, "")
                 if passed and mutation.python:
                     passed, detail = python_stage(mutation.python_tests)
                 caught = not passed

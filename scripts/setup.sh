@@ -4,9 +4,10 @@ set -euo pipefail
 
 # clang-format and clang-tidy 14 for `make lint` (one version: formatting differs between them;
 # ruff comes from requirements-dev.txt); llvm-14 for llvm-cov and llvm-profdata (the C++ line
-# coverage of make sanitize).
+# coverage of make sanitize); ccache for the repeated compiles of make test's builds (the Makefile
+# sets it as CMake's compiler launcher when it is installed).
 packages=(cmake g++ make libgtest-dev libbenchmark-dev clang libclang-rt-14-dev
-  clang-format-14 clang-tidy-14 llvm-14)
+  clang-format-14 clang-tidy-14 llvm-14 ccache)
 missing=()
 # The Python package is built in a virtual environment; Debian's python3 needs python3-venv and
 # the headers for that (a pyenv or other self-built python3 has both).

@@ -58,6 +58,7 @@ def _probe(mode):
     return result.stdout.split()
 
 
+@pytest.mark.slow  # a fresh JAX process per allocator mode: 14 s of CPU (pyproject.toml, markers)
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the setting is glibc's")
 def test_import_leaves_malloc_alone_and_tune_allocator_keeps_large_blocks_in_the_heap():
     # Importing mhc.jax and running pre and post: glibc still maps the large block.

@@ -77,6 +77,7 @@ def test_byte_and_flop_counts_follow_the_spec():
     assert bench.flop_count("pre_forward", s) == (2 * 4 * 8 * 24 + 2 * 4 * 8) * 3
 
 
+@pytest.mark.slow  # main() end to end: over 10 s of CPU (pyproject.toml, markers)
 def test_main_prints_the_table_and_writes_json(tmp_path, capsys, tune_calls):
     # Three kinds of row (an operation, a boundary with its two-call time, the head): the table and
     # JSON plumbing; test_kernel_and_plain_functions_agree compiles every operation.
@@ -114,6 +115,7 @@ def result_allocator(path):
     return json.loads(path.read_text())["machine"]["allocator"]
 
 
+@pytest.mark.slow  # main() end to end: over 10 s of CPU (pyproject.toml, markers)
 def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys, tune_calls):
     path = tmp_path / "bench.json"
     # An operation, V4.1's boundary (timed in turns with V4's) and the collapse;

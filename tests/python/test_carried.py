@@ -486,6 +486,7 @@ def test_a_platform_without_the_v41_kernels_raises_naming_the_way_out(platform):
     assert "mhc_" not in export(False).mlir_module()
 
 
+@pytest.mark.slow  # a fresh JAX process on forced devices: 17 s of CPU (pyproject.toml, markers)
 def test_tokens_sharded_over_two_devices(seed):
     script = os.path.join(os.path.dirname(__file__), "carried_sharding_cases.py")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")

@@ -33,6 +33,7 @@ def _assert_png(path: Path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100, path
 
 
+@pytest.mark.slow  # training runs: over 10 s of CPU (pyproject.toml, markers)
 def test_demo_runs_and_writes_its_outputs(tmp_path, capsys):
     # In this process; test_bad_arguments_exit_with_a_message runs `python -m mhc.demo` itself.
     out = tmp_path / "demo"
@@ -66,6 +67,7 @@ def _train_losses(config: ModelConfig, seed: int, steps: int):
     return losses, model.residual_mixes(jnp.asarray(data[0, :, :-1]))
 
 
+@pytest.mark.slow  # training runs: over 10 s of CPU (pyproject.toml, markers)
 @pytest.mark.parametrize("residual", ["mhc", "mhc-lite", "mhc-v4.1"])
 def test_kernel_and_reference_training_agree(residual, seed):
     # The mHC sublayers (fused boundaries) and the head (V4.1: the collapse) on the kernels vs the plain-JAX path; only
@@ -79,6 +81,7 @@ def test_kernel_and_reference_training_agree(residual, seed):
     assert abs(forward[-1] - 1.0) < 1e-3 and abs(backward[-1] - 1.0) < 1e-2
 
 
+@pytest.mark.slow  # training runs: over 10 s of CPU (pyproject.toml, markers)
 def test_compare_trains_every_residual_from_one_seed(tmp_path, monkeypatch, capsys, seed):
     # In this process (the demo gives each run its own, to measure its peak memory), so without
     # the allocator setting a run makes for its own process.

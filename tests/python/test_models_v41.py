@@ -48,6 +48,7 @@ def collapsed(layers, x, fused):
     return mj.collapse(state, use_kernel=layers[0].use_kernel)
 
 
+@pytest.mark.slow  # 17 s of CPU (pyproject.toml, markers)
 def test_the_flax_layer_carries_the_mix(seed):
     """Whole layers hand on Streams(out, h_pre); the layer equals mhc.jax's pre (with the carried
     mix) and post on the same parameters, and the fused stack equals the whole layers bit for bit,
@@ -132,6 +133,7 @@ def _randomize(module: nnx.Module, rng: np.random.Generator, scale: float):
             variable[...] = jnp.asarray(value + scale * rng.standard_normal(value.shape), jnp.float32)
 
 
+@pytest.mark.slow  # three model gradients: 23 s of CPU (pyproject.toml, markers)
 def test_v41_model_gradients_on_the_kernels(seed, monkeypatch):
     """The V4.1 model's loss gradients on the kernels (fused boundaries; the flax test above has
     the whole sublayers give the same bits): the plain path's to f32 rounding, and with recompute

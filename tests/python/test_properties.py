@@ -9,6 +9,7 @@ import textwrap
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,7 @@ from conftest import assert_matches, random_numpy_params, round_by_one_unit, sub
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
+@pytest.mark.slow  # 100 examples: over 10 s of CPU (pyproject.toml, markers)
 @settings(max_examples=100, deadline=None)
 @given(
     n=st.integers(1, 5),

@@ -168,6 +168,7 @@ def test_the_policy_keeps_no_stream_but_the_groups_input(seed, group):
     assert sum(f"named '{_kernels.RESIDUAL_LAYER_OUT}'" in line for line in lines) == depth, lines
 
 
+@pytest.mark.slow  # 12 s of CPU (pyproject.toml, markers)
 def test_scan_over_groups_and_an_outer_checkpoint_keep_the_bits(seed):
     depth, k = 6, 2
     x, params, weights = _problem(seed, depth, jnp.float32)
@@ -241,6 +242,7 @@ def test_the_cpu_scheduler_warning_is_given_once_without_the_flag(monkeypatch):
         double(jnp.ones(3))  # the flag set: nothing to warn about
 
 
+@pytest.mark.slow  # a fresh JAX process: 25 s of CPU (pyproject.toml, markers)
 def test_sharded_tokens_and_memory_in_a_subprocess():
     """Two forced CPU devices and XLA's memory scheduler need XLA_FLAGS before JAX starts."""
     flags = f"--xla_force_host_platform_device_count=2 {mj.CPU_MEMORY_SCHEDULER_FLAG}"

@@ -26,6 +26,7 @@ def _run_cases(seed, partitioner, *selection) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # a fresh JAX process on 8 forced devices (pyproject.toml, markers)
 @pytest.mark.parametrize("partitioner", PARTITIONERS)
 def test_sharded_kernels_match_one_device(seed, partitioner):
     output = _run_cases(seed, partitioner)
@@ -36,6 +37,7 @@ def test_sharded_kernels_match_one_device(seed, partitioner):
     assert output.count("ok:") == expected, output
 
 
+@pytest.mark.slow  # a fresh JAX process on 8 forced devices (pyproject.toml, markers)
 @pytest.mark.parametrize("partitioner", PARTITIONERS)
 def test_padded_rows_stay_out_of_parameter_gradients(seed, partitioner):
     """Padded token rows that hold values, for the pre, boundary and head backwards (their own
@@ -77,6 +79,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a fresh JAX process on 8 forced devices (pyproject.toml, markers)
 def test_two_processes_match_one_device(seed, tmp_path):
     """2 processes on 127.0.0.1 with 4 CPU devices each, one global mesh of 8 (multiprocess_cases.py)."""
     script = os.path.join(os.path.dirname(__file__), "multiprocess_cases.py")

@@ -22,6 +22,9 @@ from conftest import (
 from test_tpu_kernels import CUSTOM, INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _post_problem, _tolerance
 from test_tpu_pre_backward import _oracle as _pre_backward_oracle
 
+# The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
+pytestmark = pytest.mark.slow
+
 # (n, D, T, mix, x dtype, layer_out dtype, config scalars, token tile): a sample of the product,
 # with a ragged last tile in each case of more than one token.
 CASES = [

@@ -32,6 +32,9 @@ from conftest import (
 from mhc.tpu.testing import interpret_on_cpu
 from test_tpu_kernels import CUSTOM, INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _tolerance
 
+# The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
+pytestmark = pytest.mark.slow
+
 # The bit-for-bit comparison runs without race detection (half the cost).
 NO_RACE_CHECK = pltpu.InterpretParams()
 TILE = 32  # T = 37: two token tiles, the last ragged

@@ -18,6 +18,9 @@ CHIP_VMEM_MIB = {"v5e": 128, "v6e": 128}
 
 pytest.importorskip("libtpu", reason="libtpu (jax[tpu], requirements-dev.txt) compiles for the chips")
 
+# Compiles for v5e and v6e in a fresh process (pyproject.toml, markers: make check skips it).
+pytestmark = pytest.mark.slow
+
 
 def test_post_kernels_compile_for_v5e_and_v6e_and_fit_vmem():
     # With DeepSeek-V4.1's collapse, the post kernels' grid and plan (seconds to compile).

@@ -36,6 +36,9 @@ from mhc.jax import _kernels
 from mhc.models import ModelConfig, Transformer
 from mhc.tpu.testing import interpret_on_cpu
 
+# The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
+pytestmark = pytest.mark.slow
+
 # (n, D, T, mix, dtype): D = 130 pads to 256 lanes, T = 37 is one ragged token tile.
 CASES = [(4, 130, 37, "sinkhorn", jnp.float32), (3, 1, 5, "permutations", jnp.bfloat16)]
 
@@ -122,7 +125,7 @@ def test_pre_and_post_match_the_cpu_kernels(seed, case):
 
 
 def test_a_function_compiled_outside_runs_the_tpu_kernels_inside(monkeypatch):
-    """The switch clears JAX's caches: a jitted function compiled before it is traced again, and
+    """The switch is in JAX's cache keys: a jitted function compiled before it is traced again, and
     reaches the TPU kernel (here one that adds 1, to tell which ran); after it, the CPU's again."""
     _, x, layer_out, params, _ = _inputs(0, CASES[0])
     h_post, h_res = jnp.ones(x.shape[:2]), jnp.ones(x.shape[:2] + x.shape[1:2])

@@ -15,6 +15,9 @@ from conftest import assert_matches, assert_mixed_in_f32_and_rounded_once, round
 from test_head import random_head
 from test_tpu_kernels import CUSTOM, INTERPRET, TILE, _case_id, _export, _mosaic_modules, _no_races, _tolerance
 
+# The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
+pytestmark = pytest.mark.slow
+
 # (n, D, T, dtype, config scalars).
 CASES = [
     (4, 130, 300, jnp.float32, {}),

@@ -29,6 +29,9 @@ from conftest import (
     round_by_one_unit,
 )
 
+# The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
+pytestmark = pytest.mark.slow
+
 # Two simulated cores share the "parallel" token grid, so a race between them is detected; memory
 # read before it is written holds NaN, and an out-of-bounds access raises.
 INTERPRET = pltpu.InterpretParams(detect_races=True, num_cores_or_threads=2)

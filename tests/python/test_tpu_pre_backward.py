@@ -20,6 +20,9 @@ import numpy_reference
 from conftest import assert_matches, random_numpy_params, round_by_one_unit
 from test_tpu_kernels import CUSTOM, INTERPRET, TILE, _case_id, _export, _mosaic_modules, _no_races, _tolerance
 
+# The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
+pytestmark = pytest.mark.slow
+
 # (n, D, T, mix, dtype, config scalars).
 CASES = [
     (4, 130, 300, "sinkhorn", jnp.float32, {}),

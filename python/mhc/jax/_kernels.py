@@ -33,7 +33,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config  # _check_vma: see _tpu_kernel_lowering
+from jax._src import config as jax_config  # _check_vma (_tpu_kernel_lowering), State (_interpret_on_cpu_key)
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -715,12 +715,24 @@ def registered_targets(platform: str) -> frozenset:
 # TPU interpreter with these parameters, and raises the TPU's errors for what has no TPU kernel.
 # A module global, not a thread-local: XLA calls the partitioning rules back while it compiles.
 _interpret_on_cpu = None
+# The same value as a JAX config state in the jit and trace cache keys (the global value, which
+# every thread reads): a function compiled with the switch off is traced and compiled again with
+# it on, and the reverse, so neither runs the other's kernels; JAX keeps both compilations, and
+# nothing else is recompiled (tests/python/test_tpu_dispatch.py holds it to both directions).
+_interpret_on_cpu_key = jax_config.State(
+    "mhc_interpret_on_cpu",
+    None,
+    "mhc.tpu.testing.interpret_on_cpu's switch, in JAX's cache keys",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
 
 
 def _set_interpret_on_cpu(interpret) -> None:
     """Sets the test switch (None: off); only mhc.tpu.testing calls this."""
     global _interpret_on_cpu
     _interpret_on_cpu = interpret
+    _interpret_on_cpu_key.set_global(interpret)
 
 
 def _backend(platform: str) -> str:

@@ -15,17 +15,16 @@ kernel inside a custom_partitioning call, whose lowering cannot carry the ordere
 of that mode. So the checks the plain interpreter lacks (race detection, out-of-bounds blocks,
 NaN-filled uninitialized memory) are made per kernel in tests/python/test_tpu_kernels.py.
 
-Entering and leaving it clears JAX's compilation caches (jax.clear_caches), so that no function
-compiled outside it runs inside it, nor the reverse. It is one process-wide setting (XLA calls the
-partitioning rules back while it compiles, outside any thread-local context): do not enter it in
-one thread while another compiles mhc code.
+The switch is part of JAX's jit and trace cache keys, so no function compiled outside it runs
+inside it, nor the reverse, and the caches are kept (clearing them on entry and exit, as before,
+made every later test of a pytest worker compile again). It is one process-wide setting (XLA calls
+the partitioning rules back while it compiles, outside any thread-local context): do not enter it
+in one thread while another compiles mhc code.
 """
 
 from __future__ import annotations
 
 import contextlib
-
-import jax
 
 from mhc.jax import _kernels
 
@@ -35,10 +34,8 @@ def interpret_on_cpu():
     """Test only: the CPU lowering runs the TPU kernels in Pallas's interpreter (module docstring)."""
     if _kernels._interpret_on_cpu is not None:
         raise RuntimeError("interpret_on_cpu: already on (it does not nest)")
-    jax.clear_caches()
     _kernels._set_interpret_on_cpu(True)
     try:
         yield
     finally:
         _kernels._set_interpret_on_cpu(None)
-        jax.clear_caches()
