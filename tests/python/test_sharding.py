@@ -46,6 +46,7 @@ def test_padded_rows_stay_out_of_parameter_gradients(seed, partitioner):
     assert output.count("ok:") == 3, output
 
 
+@pytest.mark.slow  # a fresh JAX process on 8 forced devices (pyproject.toml, markers)
 @pytest.mark.parametrize("partitioner", PARTITIONERS)
 def test_vmap_of_sharded_arrays(seed, partitioner):
     """jit(vmap(pre -> post)) on x sharded over 2 devices, the batch axis or the token axis (its
@@ -54,6 +55,7 @@ def test_vmap_of_sharded_arrays(seed, partitioner):
     assert output.count("ok:") == 2, output
 
 
+@pytest.mark.slow  # a fresh JAX process on 8 forced devices (pyproject.toml, markers)
 def test_carried_mix_inside_shard_map_with_d_split(seed):
     """DeepSeek-V4.1's carried mix as a shard_map input, D split over 2, 4 and (tokens x D) 8
     devices: pre(carried=), Streams into a sublayer and collapse, against the float64 oracle, f32
