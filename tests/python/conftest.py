@@ -100,11 +100,13 @@ def tanh_sublayer_values(x, params, config: mj.Config, shift, dout, dlayer_in, n
     return dict(out=out, layer_in=layer_in, dx=dx, dparams=dparams, dshift=dlayer_out)
 
 
-def head_loss_values(x, head, config: mj.Config, target, noise=None) -> dict:
+def head_loss_values(x, head, config: mj.Config, target, noise=None, output=None) -> dict:
     """DeepSeek-V4's head and the loss sum((head(x) - target)^2) in float64
-    (numpy_reference.head_values): "out", "loss", "dx", "dhead" (HeadParams). noise: its noise=."""
+    (numpy_reference.head_values): "out", "loss", "dx", "dhead" (HeadParams). noise: its noise=.
+    output: the rounding of head(x) the loss sees (a bf16 head's output), none if None."""
     target = np.broadcast_to(np.asarray(target, np.float64), np.shape(x)[:-2] + np.shape(x)[-1:])
     y = numpy_reference.head_values(x, head, config, np.zeros(target.shape), noise)[0]
+    y = y if output is None else output(y)
     _, dx, *dhead = numpy_reference.head_values(x, head, config, 2.0 * (y - target), noise)
     return dict(out=y, loss=np.sum(np.square(y - target)), dx=dx, dhead=mj.HeadParams(*dhead))
 
