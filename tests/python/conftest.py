@@ -82,6 +82,35 @@ def sublayer_values(x, layer_out, params, config: mj.Config, cotangents, use_ker
     return dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
 
 
+def tanh_sublayer_values(x, params, config: mj.Config, shift, dout, dlayer_in, noise=None) -> dict:
+    """pre -> post with the branch layer_out = tanh(layer_in) + shift in float64 (numpy_reference;
+    bf16 inputs upcast exactly) and its VJP at the cotangents dout of out and dlayer_in of
+    layer_in beside the branch's (arrays, or callables of out and of layer_in, for a loss such as
+    sum(exp(layer_in / 4))): "out", "layer_in", "dx", "dparams", "dshift". noise: numpy_reference's."""
+    shift = np.asarray(shift, np.float64)
+    zeros = np.zeros(np.shape(x)[:-2] + np.shape(x)[-1:])
+    layer_in, _ = numpy_reference.forward(x, zeros, params, config, noise)
+    layer_out = np.tanh(layer_in) + shift
+    _, out = numpy_reference.forward(x, layer_out, params, config, noise)
+    g = dout(out) if callable(dout) else _f64(dout)
+    direct = dlayer_in(layer_in) if callable(dlayer_in) else _f64(dlayer_in)
+    _, dlayer_out, _ = numpy_reference.backward(x, layer_out, params, config, zeros, g)  # h_post g
+    total = dlayer_out * (1.0 - np.tanh(layer_in) ** 2) + direct
+    dx, _, dparams = numpy_reference.backward(x, layer_out, params, config, total, g, noise)
+    return dict(out=out, layer_in=layer_in, dx=dx, dparams=dparams, dshift=dlayer_out)
+
+
+def head_loss_values(x, head, config: mj.Config, target, noise=None, output=None) -> dict:
+    """DeepSeek-V4's head and the loss sum((head(x) - target)^2) in float64
+    (numpy_reference.head_values): "out", "loss", "dx", "dhead" (HeadParams). noise: its noise=.
+    output: the rounding of head(x) the loss sees (a bf16 head's output), none if None."""
+    target = np.broadcast_to(np.asarray(target, np.float64), np.shape(x)[:-2] + np.shape(x)[-1:])
+    y = numpy_reference.head_values(x, head, config, np.zeros(target.shape), noise)[0]
+    y = y if output is None else output(y)
+    _, dx, *dhead = numpy_reference.head_values(x, head, config, 2.0 * (y - target), noise)
+    return dict(out=y, loss=np.sum(np.square(y - target)), dx=dx, dhead=mj.HeadParams(*dhead))
+
+
 def saved_residuals(f, *args) -> list[str]:
     """What ``jax.grad`` of f keeps for its backward, one line per residual
     (``jax.ad_checkpoint.print_saved_residuals``, the public way to list them): its shape, its
@@ -203,17 +232,20 @@ def assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config: mj.C
     assert_post_mixed_in_f32_and_rounded_once(values["out"], x, layer_out, h_post, h_res, context)
 
 
-def chain_values(x, sublayers, dout, noise=None):
+def chain_values(x, sublayers, dout, noise=None, updates=None):
     """A DeepSeek-V4 chain of sublayers in float64, the oracle of a JAX chain's f32 evaluations
     (each path against it with assert_matches, never two paths with each other): sublayers =
     [(params, config, branch)] or [(params, config, branch, branch_args)], branch(layer_in,
     *branch_args) -> layer_out a jnp function of the test's own, run in float64 (jax's x64 mode)
     with its VJP; pre and post from numpy_reference (noise: its noise=). Returns (out, dx, [dparams
     per sublayer], [the gradients of branch_args per sublayer]) for the cotangent dout of out (or
-    dout(out) for a callable: a loss such as sum(sin(out)) has the cotangent cos(out))."""
+    dout(out) for a callable: a loss such as sum(sin(out)) has the cotangent cos(out)). updates:
+    {sublayer index: an array added to the streams before that sublayer}, an Engram seam
+    Streams(x + update, ...): the gradient passes it unchanged."""
     streams = _f64(x)
     saved = []
-    for params, config, branch, *rest in sublayers:
+    for index, (params, config, branch, *rest) in enumerate(sublayers):
+        streams = _add_update(streams, updates, index)
         branch_args = tuple(rest[0]) if rest else ()
         no_layer_out = np.zeros(streams.shape[:-2] + streams.shape[-1:])  # layer_in does not read it
         layer_in, _ = numpy_reference.forward(streams, no_layer_out, params, config, noise)
@@ -237,14 +269,20 @@ def chain_values(x, sublayers, dout, noise=None):
     return streams, g, grads[::-1], branch_grads[::-1]
 
 
-def carried_chain_values(x, sublayers, dout, noise=None):
+def _add_update(streams, updates, index):
+    return streams + _f64(updates[index]) if updates and index in updates else streams
+
+
+def carried_chain_values(x, sublayers, dout, noise=None, updates=None):
     """chain_values for DeepSeek-V4.1 (spec: Single-pass schedule): each pre-apply mixes with the
     previous sublayer's h_pre (the first with the one-hot on stream 0), and the chain ends in the
     collapse by the last h_pre; dout is the collapse's cotangent [..., D] (or a callable of out, as in
     chain_values). numpy_reference's
-    carried_values and collapse_values, the branches as in chain_values."""
+    carried_values and collapse_values, the branches and updates as in chain_values (the carried
+    mix passes a seam unchanged)."""
     streams, carried, saved = _f64(x), None, []
-    for params, config, branch, *rest in sublayers:
+    for index, (params, config, branch, *rest) in enumerate(sublayers):
+        streams = _add_update(streams, updates, index)
         branch_args = tuple(rest[0]) if rest else ()
         zeros = np.zeros(streams.shape[:-2] + streams.shape[-1:])
         no_cotangents = (zeros, np.zeros(streams.shape[:-1]), np.zeros(streams.shape))
@@ -271,29 +309,31 @@ def carried_chain_values(x, sublayers, dout, noise=None):
     return out, g, grads[::-1], branch_grads[::-1]
 
 
-def perturbed_chain_values(rng, x, sublayers, dout):
-    """chain_values on inputs, parameters and branch arguments moved by round_by_one_unit(rng, ...)
-    and with noise=rng: the spread that assert_matches' rule measures."""
+def perturbed_chain_values(rng, x, sublayers, dout, updates=None):
+    """chain_values on inputs, parameters, branch arguments and updates moved by
+    round_by_one_unit(rng, ...) and with noise=rng: the spread that assert_matches' rule measures."""
     moved = [
         (round_by_one_unit(rng, params), config, branch, *([tuple(round_by_one_unit(rng, a) for a in r) for r in rest]))
         for params, config, branch, *rest in sublayers
     ]
     dout = dout if callable(dout) else round_by_one_unit(rng, dout)
     values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
-    return values(round_by_one_unit(rng, x), moved, dout, noise=rng)
+    moved_updates = {index: round_by_one_unit(rng, update) for index, update in (updates or {}).items()}
+    return values(round_by_one_unit(rng, x), moved, dout, noise=rng, updates=moved_updates)
 
 
-def assert_chain_matches(got, x, sublayers, dout, context=""):
+def assert_chain_matches(got, x, sublayers, dout, context="", updates=None):
     """A chain's f32 results against chain_values (V4) or carried_chain_values (V4.1, ending in the
     collapse) with the one accuracy rule (f32 bound 1e-5):
     got is a dict with any of "out", "dx", "dparams" (one Params per sublayer, any shapes that
-    reshape to the flat layout), "dbranch" (one tuple per sublayer, as branch_args)."""
+    reshape to the flat layout), "dbranch" (one tuple per sublayer, as branch_args). updates: as
+    in chain_values."""
     keys = ("out", "dx", "dparams", "dbranch")
     values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
-    want = dict(zip(keys, values(x, sublayers, dout), strict=True))
+    want = dict(zip(keys, values(x, sublayers, dout, updates=updates), strict=True))
 
     def perturbed(rng, key, *index):
-        value = perturbed_chain_values(rng, x, sublayers, dout)[keys.index(key)]
+        value = perturbed_chain_values(rng, x, sublayers, dout, updates)[keys.index(key)]
         for i in index:
             value = value[i]
         return value

@@ -3,6 +3,7 @@ safetensors loader, and a forward through converted weights against NumPy transc
 DeepSeek-V4's and MaxText's own code."""
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -15,7 +16,8 @@ import numpy as np
 import pytest
 
 import mhc.jax as mj
-from conftest import relative_error
+import numpy_reference
+from conftest import assert_matches, relative_error, round_by_one_unit
 from mhc import interop
 
 CASES = [(mix, n) for mix in ("sinkhorn", "permutations") for n in (1, 3, 4)]
@@ -140,10 +142,20 @@ def test_norm_weight_is_folded_only_on_request(seed):
     converted = interop.params_from_v4(folded, config, layer=0, sublayer="attn")
     x = jnp.asarray(rng.standard_normal((4, 3, D)), jnp.float32)
     layer_out = jnp.asarray(rng.standard_normal((4, D)), jnp.float32)
-    want_in, want_ctx = mj.pre(x, params, config, use_kernel=False)
-    got_in, got_ctx = mj.pre(x, converted, config, use_kernel=False)
-    assert relative_error(got_in, want_in) <= 1e-5
-    assert relative_error(mj.post(layer_out, got_ctx), mj.post(layer_out, want_ctx)) <= 1e-5
+    # The folded weights give the unfolded sublayer: both the folded and the original parameters
+    # against the float64 oracle of the original ones, with the one accuracy rule.
+    want = numpy_reference.forward(x, layer_out, params, config)
+
+    def perturbed(index, rng):
+        moved = (round_by_one_unit(rng, v) for v in (x, layer_out, params))
+        return numpy_reference.forward(*moved, config, noise=rng)[index]
+
+    for label, sublayer_params in (("folded", converted), ("original", params)):
+        got_in, got_ctx = mj.pre(x, sublayer_params, config, use_kernel=False)
+        got = (got_in, mj.post(layer_out, got_ctx))
+        for index, name in enumerate(("layer_in", "out")):
+            resample = functools.partial(perturbed, index)
+            assert_matches(name, got[index], want[index], 1e-5, resample, f"{label} params (seed {seed})")
 
 
 def test_config_from_v4():

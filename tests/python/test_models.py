@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import mhc.jax as mj
-from conftest import assert_recompute_keeps_the_bits
+from conftest import assert_matches, assert_recompute_keeps_the_bits, round_by_one_unit
 from mhc.flax import Head, ManifoldConstrainedHyperConnections, stack
 from mhc.models import RESIDUALS, HyperConnections, ModelConfig, Transformer, loss_fn
 
@@ -36,15 +36,26 @@ def test_hyper_connections_follow_their_formulas(seed):
     out = layer(lambda h: 2.0 * h, lambda h: jnp.tanh(h @ weight), jnp.asarray(x))
 
     names = ("static_pre", "static_post", "static_res", "dynamic_pre", "dynamic_post", "dynamic_res")
-    p = {name: np.asarray(getattr(layer, name)[...], np.float64) for name in (*names, "scale_mix", "scale_post")}
-    x64 = x.astype(np.float64)
+    p = {name: np.asarray(getattr(layer, name)[...]) for name in (*names, "scale_mix", "scale_post")}
+    want = _hyper_connections_formulas(x, p, weight)
+
+    def perturbed(rng):
+        moved = {name: round_by_one_unit(rng, value) for name, value in p.items()}
+        return _hyper_connections_formulas(round_by_one_unit(rng, x), moved, round_by_one_unit(rng, weight))
+
+    assert_matches("out", out, want, 1e-5, perturbed, f"(seed {seed})")
+
+
+def _hyper_connections_formulas(x, p, weight):
+    """The documented hyper-connections (with the test's branch tanh(2 h W)) in float64."""
+    x64 = np.asarray(x, np.float64)
+    p = {name: np.asarray(value, np.float64) for name, value in p.items()}
     x_norm = x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-6)
     h_pre = p["static_pre"] + p["scale_mix"] * np.tanh(x_norm @ p["dynamic_pre"])
     h_post = p["static_post"] + p["scale_post"] * np.tanh(x_norm @ p["dynamic_post"])
     h_res = p["static_res"] + p["scale_mix"] * np.tanh(x_norm @ p["dynamic_res"])
-    layer_out = np.tanh((2.0 * np.einsum("tk,tkd->td", h_pre, x64)) @ weight)
-    want = np.einsum("tij,tid->tjd", h_res, x64) + h_post[:, :, None] * layer_out[:, None, :]
-    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    layer_out = np.tanh((2.0 * np.einsum("tk,tkd->td", h_pre, x64)) @ np.asarray(weight, np.float64))
+    return np.einsum("tij,tid->tjd", h_res, x64) + h_post[:, :, None] * layer_out[:, None, :]
 
 
 def test_hc_mixes_are_unconstrained_and_mhc_mixes_doubly_stochastic(seed):

@@ -1,11 +1,14 @@
 """vmap of the kernel path: over token axes (batched activations and cotangents, unbatched
 parameters) the forward operations and post's backward fold the batch axis into the tokens (one
 kernel call, no loop); a batched parameter, and the backward operations whose parameter gradients
-are one sum per batch element, run the batch elements in turn. Either way vmap equals the loop of
-single calls: values, per-example gradients (vmap of grad), gradients of a vmapped loss (grad of
-vmap), nested vmap and a batch axis that is not the leading one."""
+are one sum per batch element, run the batch elements in turn. Either way vmap gives the loop of
+single calls: the forward the same bits; per-example gradients (vmap of grad), gradients of a
+vmapped loss (grad of vmap), nested vmap and a batch axis that is not the leading one, vmap and
+the loop each against the float64 oracle (not bitwise: the folded calls sum in another order)."""
 
+import functools
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 
 import mhc.jax as mj
-from conftest import random_params, relative_error
+from conftest import assert_matches, chain_values, head_loss_values, random_params, round_by_one_unit
 
 CONFIG = mj.Config(n=3, sinkhorn_iters=4, pre_eps=0.1, sinkhorn_eps=0.05, post_scale=1.3)
 B, T, D = 3, 5, 12
@@ -45,10 +48,43 @@ def _loop(f, xs):
     return jax.tree.map(lambda *parts: jnp.stack(parts), *results)
 
 
-def _assert_close(got, want, tolerance=1e-6):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert a.shape == b.shape
-        assert relative_error(a, b) <= tolerance
+def _oracle(x, params, head, noise=None) -> dict:
+    """_loss and its gradients in float64 (conftest.chain_values for pre -> tanh -> post twice,
+    the boundary being post then pre, with the same params; conftest.head_loss_values for the
+    head): "loss", "dx", "dparams" (the two sublayers' summed), "dhead". x [..., T, n, D]: the
+    loss and the parameter gradients are sums over every token. noise: numpy_reference's."""
+
+    def dstreams(streams):  # the cotangent of the streams for the loss sum(head(streams)^2)
+        return head_loss_values(streams, head, CONFIG, 0.0, noise)["dx"]
+
+    streams, dx, dparams, _ = chain_values(x, [(params, CONFIG, jnp.tanh)] * 2, dstreams, noise)
+    head_values = head_loss_values(streams, head, CONFIG, 0.0, noise)
+    summed = mj.Params(*(a + b for a, b in zip(*dparams, strict=True)))
+    return {"loss": head_values["loss"], "dx": dx, "dparams": summed, "dhead": head_values["dhead"]}
+
+
+def _assert_matches_oracle(got: dict, x, params, head, context=""):
+    """Each of got's "loss", "dx", "dparams", "dhead" (an f32 evaluation of _loss on x, params,
+    head) against _oracle with the one accuracy rule (conftest.assert_matches): vmap and the
+    loop of single calls each against float64, never with each other."""
+    want = _oracle(x, params, head)
+
+    def perturbed(key, index, rng):
+        moved = (round_by_one_unit(rng, value) for value in (x, params, head))
+        return jax.tree.leaves(_oracle(*moved, noise=rng)[key])[index]
+
+    for key, value in got.items():
+        leaves = jax.tree.leaves(value)
+        wanted = jax.tree.leaves(want[key])
+        assert len(leaves) == len(wanted), key
+        for index, (leaf, expected) in enumerate(zip(leaves, wanted, strict=True)):
+            assert np.shape(leaf) == np.shape(expected), f"{key}[{index}]: {np.shape(leaf)} {context}"
+            resample = functools.partial(perturbed, key, index)
+            assert_matches(f"{key}[{index}]", leaf, expected, 1e-5, resample, context)
+
+
+def _each(tree, index):
+    return jax.tree.map(lambda a: a[index], tree)
 
 
 def _calls(hlo: str, target: str) -> int:
@@ -66,7 +102,12 @@ def test_vmap_of_grad_gives_per_example_gradients(seed):
     x, params, head = _problem(seed)
     grad = jax.grad(_loss, argnums=(0, 1, 2))
     got = jax.jit(jax.vmap(grad, in_axes=(0, None, None)))(x, params, head)
-    _assert_close(got, _loop(jax.jit(lambda x: grad(x, params, head)), x))
+    loop = _loop(jax.jit(lambda x: grad(x, params, head)), x)
+    for label, result in (("vmap", got), ("loop", loop)):
+        for b in range(B):
+            dx, dparams, dhead = _each(result, b)
+            got_b = {"dx": dx, "dparams": dparams, "dhead": dhead}
+            _assert_matches_oracle(got_b, x[b], params, head, f"{label} example {b} (seed {seed})")
 
 
 def test_grad_of_vmap_sums_the_examples(seed):
@@ -77,8 +118,21 @@ def test_grad_of_vmap_sums_the_examples(seed):
 
     got = jax.jit(jax.grad(batched_loss, argnums=(0, 1, 2)))(x, params, head)
     per_example = _loop(jax.jit(lambda x: jax.grad(_loss, argnums=(0, 1, 2))(x, params, head)), x)
-    want = (per_example[0], *jax.tree.map(lambda g: g.sum(0), per_example[1:]))
-    _assert_close(got, want)
+    loop = (per_example[0], *jax.tree.map(lambda g: g.sum(0), per_example[1:]))
+    for label, (dx, dparams, dhead) in (("grad of vmap", got), ("loop", loop)):
+        # The oracle on the whole batch: the parameter gradients summed over every example's tokens.
+        result = {"dx": dx, "dparams": dparams, "dhead": dhead}
+        _assert_matches_oracle(result, x, params, head, f"{label} (seed {seed})")
+
+
+def _assert_value_and_grads_match(results: dict, xs, params, head, seed):
+    """results: label -> (loss [E], (dx [E, ...], dparams [E, ...])) for the examples xs [E, ...]
+    (params: one, or one per example [E, ...]); each example against _oracle."""
+    for label, (loss, (dx, dparams)) in results.items():
+        for e in range(len(xs)):
+            params_e = params if np.ndim(params.alpha) == 1 else _each(params, e)
+            got = {"loss": loss[e], "dx": dx[e], "dparams": _each(dparams, e)}
+            _assert_matches_oracle(got, xs[e], params_e, head, f"{label} example {e} (seed {seed})")
 
 
 def test_nested_vmap(seed):
@@ -86,7 +140,10 @@ def test_nested_vmap(seed):
     inner = jax.vmap(jax.value_and_grad(_loss, argnums=(0, 1)), in_axes=(0, None, None))
     got = jax.jit(jax.vmap(inner, in_axes=(0, None, None)))(x, params, head)
     one = jax.jit(lambda x: jax.value_and_grad(_loss, argnums=(0, 1))(x, params, head))
-    _assert_close(got, _loop(lambda xs: _loop(one, xs), x))
+    loop = _loop(lambda xs: _loop(one, xs), x)
+    flat = lambda tree: jax.tree.map(lambda a: a.reshape(2 * B, *a.shape[2:]), tree)  # noqa: E731
+    results = {"nested vmap": flat(got), "loop": flat(loop)}
+    _assert_value_and_grads_match(results, flat(x), params, head, seed)
 
 
 def test_vmap_over_a_middle_axis(seed):
@@ -95,9 +152,10 @@ def test_vmap_over_a_middle_axis(seed):
     x = jnp.moveaxis(x, 0, 1)
     f = jax.value_and_grad(_loss, argnums=(0, 1))
     got = jax.jit(jax.vmap(f, in_axes=(1, None, None), out_axes=(0, (1, 0))))(x, params, head)
-    want = _loop(jax.jit(lambda xb: f(xb, params, head)), jnp.moveaxis(x, 1, 0))
-    want = (want[0], (jnp.moveaxis(want[1][0], 0, 1), want[1][1]))
-    _assert_close(got, want)
+    loop = _loop(jax.jit(lambda xb: f(xb, params, head)), jnp.moveaxis(x, 1, 0))
+    got = (got[0], (jnp.moveaxis(got[1][0], 1, 0), got[1][1]))  # dx back to [B, T, n, D]
+    results = {"vmap over axis 1": got, "loop": loop}
+    _assert_value_and_grads_match(results, jnp.moveaxis(x, 1, 0), params, head, seed)
     out = jax.jit(jax.vmap(lambda xb: _sublayer(xb, params, head), in_axes=1, out_axes=2))(x)
     assert out.shape == (T, D, B)
 
@@ -109,8 +167,21 @@ def test_batched_parameters_run_in_turn(seed):
     f = jax.value_and_grad(_loss, argnums=(0, 1))
     program = jax.jit(jax.vmap(f, in_axes=(None, 0, None)))
     got = program(x[0], ensemble, head)
-    _assert_close(got, _loop(jax.jit(lambda p: f(x[0], p, head)), ensemble))
+    loop = _loop(jax.jit(lambda p: f(x[0], p, head)), ensemble)
+    xs = jnp.broadcast_to(x[0], (3, *x.shape[1:]))
+    _assert_value_and_grads_match({"vmap": got, "loop": loop}, xs, ensemble, head, seed)
     assert "while" in program.lower(x[0], ensemble, head).compile().as_text()
+
+
+def _post_vjp_oracle(layer_out, ctx, g):
+    """post's VJP in float64 (spec: Forward step 8, out_j = sum_i H_res[i, j] x_i + H_post[j]
+    layer_out) at the cotangent g: (dlayer_out, dx, dh_post, dh_res)."""
+    layer_out, x, h_post, h_res, g = (np.asarray(a, np.float64) for a in (layer_out, ctx.x, ctx.h_post, ctx.h_res, g))
+    dlayer_out = np.einsum("...j,...jd->...d", h_post, g)
+    dx = np.einsum("...ij,...jd->...id", h_res, g)
+    dh_post = np.einsum("...d,...jd->...j", layer_out, g)
+    dh_res = np.einsum("...id,...jd->...ij", x, g)
+    return dlayer_out, dx, dh_post, dh_res
 
 
 def test_an_unbatched_activation_beside_a_batched_one(seed):
@@ -118,9 +189,26 @@ def test_an_unbatched_activation_beside_a_batched_one(seed):
     x, params, _ = _problem(seed)
     layer_in, ctx = mj.pre(x[0], params, CONFIG)
     layer_outs = jnp.stack([layer_in, jnp.tanh(layer_in), -layer_in])
-    got = jax.jit(jax.vmap(lambda lo: jax.vjp(lambda lo, c: mj.post(lo, c), lo, ctx)[1](x[0])))(layer_outs)
-    want = _loop(jax.jit(lambda lo: jax.vjp(lambda lo, c: mj.post(lo, c), lo, ctx)[1](x[0])), layer_outs)
-    _assert_close(got, want)
+
+    def post_vjp(lo):
+        return jax.vjp(lambda lo, c: mj.post(lo, c), lo, ctx)[1](x[0])
+
+    got = jax.jit(jax.vmap(post_vjp))(layer_outs)
+    loop = _loop(jax.jit(post_vjp), layer_outs)
+    for label, (dlayer_out, dctx) in (("vmap", got), ("loop", loop)):
+        for e in range(len(layer_outs)):
+            results = (dlayer_out[e], dctx.x[e], dctx.h_post[e], dctx.h_res[e])
+            want = _post_vjp_oracle(layer_outs[e], ctx, x[0])
+
+            def perturbed(index, rng, e=e):
+                moved = (round_by_one_unit(rng, a) for a in (layer_outs[e], ctx.x, ctx.h_post, ctx.h_res, x[0]))
+                lo, x_, h_post, h_res, g = moved
+                return _post_vjp_oracle(lo, SimpleNamespace(x=x_, h_post=h_post, h_res=h_res), g)[index]
+
+            names = ("dlayer_out", "dx", "dh_post", "dh_res")
+            for index, (name, value) in enumerate(zip(names, results, strict=True)):
+                resample = functools.partial(perturbed, index)
+                assert_matches(name, value, want[index], 1e-5, resample, f"{label} example {e} (seed {seed})")
 
 
 @pytest.mark.parametrize("batch_shape", [(B,), (2, B)], ids=["vmap", "nested"])
