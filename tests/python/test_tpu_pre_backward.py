@@ -18,25 +18,35 @@ import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
 from conftest import assert_matches, random_numpy_params, round_by_one_unit
-from test_tpu_kernels import CUSTOM, INTERPRET, TILE, _case_id, _export, _mosaic_modules, _no_races, _tolerance
+from test_tpu_kernels import (
+    CUSTOM,
+    INTERPRET,
+    ONE_TOKEN,
+    TILE,
+    _assert_a_token_alone_is_bitwise_equal,
+    _case_id,
+    _export,
+    _mosaic_modules,
+    _no_races,
+    _tolerance,
+)
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
 pytestmark = pytest.mark.slow
 
 # (n, D, T, mix, dtype, config scalars).
+# One shape set: each case carries several of the families (an n = 8 case costs ~18 s of CPU).
 CASES = [
-    (4, 130, 300, "sinkhorn", jnp.float32, {}),
-    (3, 1, 37, "permutations", jnp.bfloat16, {}),
+    (4, 130, 300, "sinkhorn", jnp.float32, {}),  # three token tiles: also batch invariance
+    (3, 1, 37, "permutations", jnp.bfloat16, CUSTOM),
     # sinkhorn_eps = 0: the padding rows of the Sinkhorn groups (n < 8) must not divide 0 by 0.
     (1, 130, 1, "sinkhorn", jnp.bfloat16, {"sinkhorn_eps": 0.0, "sinkhorn_iters": 30}),
-    (4, 1, 37, "permutations", jnp.float32, CUSTOM),
-    (8, 1, 37, "sinkhorn", jnp.float32, CUSTOM),
+    # n = 8 (no padding rows) with a large sinkhorn_eps: the softmax start's backward must use S,
+    # not the first step's S + eps (at the default 1e-6 that bug moves dalpha by about the bound only).
+    (8, 1, 37, "sinkhorn", jnp.float32, {"sinkhorn_eps": 0.05, "sinkhorn_iters": 5}),
     (3, 600, 37, "sinkhorn", jnp.float32, CUSTOM),  # Dp = 640: five feature chunks
     (4, 1024, 37, "sinkhorn", jnp.bfloat16, {}),  # two chunks of 512
     (3, 130, 0, "sinkhorn", jnp.float32, {}),
-    # A large sinkhorn_eps: the softmax start's backward must use S, not the first step's S + eps
-    # (at the default 1e-6 that bug moves dalpha by about the bound only).
-    (4, 1, 37, "sinkhorn", jnp.float32, {"sinkhorn_eps": 0.05, "sinkhorn_iters": 5}),
 ]
 NAMES = ("dx", "dnorm_weight", "dphi", "dalpha", "dbias")
 
@@ -75,6 +85,13 @@ def test_pre_backward_matches_reference(seed, case):
     dx_partial, dh_post, dh_res = _kernel_inputs(inputs, dtype)
     got = mhc.tpu.pre_backward(config, dli, dx_partial, dh_post, dh_res, x, params, tile=TILE, interpret=INTERPRET)
     _no_races()
+    if t > 2 * TILE:
+        # Batch invariance: a token's dx depends only on its own inputs (the other outputs are sums
+        # over the tokens), alone bit for bit.
+        one = (a[ONE_TOKEN] for a in (dli, dx_partial, dh_post, dh_res, x))
+        alone = mhc.tpu.pre_backward(config, *one, params, tile=TILE, interpret=INTERPRET)
+        _assert_a_token_alone_is_bitwise_equal(("dx",), got[:1], alone[:1])
+        _no_races()
 
     def perturbed(rng, index):
         values = (x64, layer_out, params, dli64, g)
@@ -98,24 +115,6 @@ def test_pre_backward_matches_reference(seed, case):
             lambda r: perturbed(r, len(NAMES)),
             f"(seed {seed})",
         )
-
-
-def test_dx_is_batch_invariant(seed):
-    """A token's dx depends only on its own inputs (spec: Accuracy, batch invariance): token 150 of
-    a two-tile call (the second tile, ragged) equals the same token alone, bit for bit (in the
-    interpreter: the kernel's structure, not the TPU's arithmetic)."""
-    config = mj.Config(n=4)
-    rng = np.random.default_rng(seed)
-    params, x, dli, x64, dli64, layer_out, g = _problem(rng, config, 130, 200, jnp.bfloat16)
-    _, inputs, _ = _oracle(config, x64, layer_out, params, dli64, g)
-    dx_partial, dh_post, dh_res = _kernel_inputs(inputs, jnp.bfloat16)
-    one = slice(150, 151)
-    many = mhc.tpu.pre_backward(config, dli, dx_partial, dh_post, dh_res, x, params, tile=TILE, interpret=INTERPRET)
-    alone = mhc.tpu.pre_backward(
-        config, dli[one], dx_partial[one], dh_post[one], dh_res[one], x[one], params, tile=TILE, interpret=INTERPRET
-    )
-    np.testing.assert_array_equal(np.asarray(many[0][one], np.float32), np.asarray(alone[0], np.float32))
-    _no_races()
 
 
 def _arguments(config, n, d, t, dtype):
