@@ -46,9 +46,13 @@ def _mlp_branch(layer_in, norm_scale, up, up_bias, down, down_bias, *, epsilon):
 
 
 def _logits_loss(h, final_scale, head, targets, epsilon):
-    logits = _rms_norm(h, final_scale, epsilon) @ head
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    log_probs = jax.nn.log_softmax(_logits(h, final_scale, head, epsilon), axis=-1)
     return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _logits(h, final_scale, head, epsilon):
+    return _rms_norm(h, final_scale, epsilon) @ head
 
 
 def _flat_params(p, path):
@@ -68,21 +72,18 @@ def model_parameters(model) -> dict:
     return {path: np.asarray(value[...]) for path, value in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def transformer_values(model, tokens, targets, parameters=None, noise=None) -> tuple[float, dict]:
-    """(loss, {path: dloss/dparameter}) of ``mhc.models.loss_fn(model, tokens, targets)`` in
-    float64, paths as nnx.to_flat_state(nnx.state(grads)) names them. parameters: {path: value}
-    in place of the model's (model_parameters; moved ones for the spread), the model supplying
-    the structure; noise: numpy_reference's noise= for the mHC parts."""
+def _float64_parameters(model, parameters):
     config = model.config
     if config.residual not in ("mhc", "mhc-lite", "mhc-v4.1"):
         raise ValueError(f"residual: the float64 model covers mHC's residuals, got {config.residual!r}")
-    p = {path: np.asarray(value, np.float64) for path, value in (parameters or model_parameters(model)).items()}
-    mhc_config = config.mhc_config()
-    tokens, targets = np.asarray(tokens), np.asarray(targets)
+    return {path: np.asarray(value, np.float64) for path, value in (parameters or model_parameters(model)).items()}
+
+
+def _chain(model, p, tokens):
+    """The embedded tokens as n streams and the chain's sublayers (chain_values' form), float64."""
+    config, mhc_config = model.config, model.config.mhc_config()
     embedded = p[("embed", "embedding")][tokens]
     streams = np.broadcast_to(embedded[..., None, :], (*embedded.shape[:-1], config.n, config.width))
-    epsilon = model.final_norm.epsilon
-
     sublayers = []
     for index, block in enumerate(model.blocks):
         b = ("blocks", index)
@@ -91,34 +92,72 @@ def transformer_values(model, tokens, targets, parameters=None, noise=None) -> t
             p[(*b, "mlp_norm", "scale")],
             *(p[(*b, "mlp", layer, name)] for layer in ("up", "down") for name in ("kernel", "bias")),
         )
-        sublayers.append(
-            (
-                _flat_params(p, (*b, "attn_hc")),
-                mhc_config,
-                functools.partial(_attention_branch, heads=config.heads, epsilon=block.attn_norm.epsilon),
-                attention,
-            )
-        )
-        sublayers.append(
-            (
-                _flat_params(p, (*b, "mlp_hc")),
-                mhc_config,
-                functools.partial(_mlp_branch, epsilon=block.mlp_norm.epsilon),
-                mlp,
-            )
-        )
+        attention_branch = functools.partial(_attention_branch, heads=config.heads, epsilon=block.attn_norm.epsilon)
+        sublayers.append((_flat_params(p, (*b, "attn_hc")), mhc_config, attention_branch, attention))
+        mlp_branch = functools.partial(_mlp_branch, epsilon=block.mlp_norm.epsilon)
+        sublayers.append((_flat_params(p, (*b, "mlp_hc")), mhc_config, mlp_branch, mlp))
+    values = carried_chain_values if mhc_config.pre_from_previous else chain_values
+    return streams, sublayers, values
+
+
+def _collapsed(model, p, out, noise):
+    """The chain's out as one stream: V4's head, the sum, or (V4.1) out itself, the collapse."""
+    collapse = model.config.final_collapse
+    if collapse == "head":
+        head = tuple(p[("collapse", name)] for name in ("fn", "base", "scale"))
+        no_cotangent = np.zeros(out.shape[:-2] + out.shape[-1:])
+        return numpy_reference.head_values(out, head, model.config.mhc_config(), no_cotangent, noise)[0]
+    return out.sum(axis=-2) if collapse == "sum" else out
+
+
+def transformer_logits(model, tokens, parameters=None, noise=None):
+    """The model's logits [batch, seq, vocab] in float64 (arguments as transformer_values'): the
+    chain's forward alone (chain_values' backward would compile the branches' VJPs)."""
+    p = _float64_parameters(model, parameters)
+    streams, sublayers, _ = _chain(model, p, np.asarray(tokens))
+    carried = None
+    with jax.enable_x64(True):
+        for params, config, branch, branch_args in sublayers:
+            no_layer_out = np.zeros(streams.shape[:-2] + streams.shape[-1:])  # layer_in does not read it
+            if config.pre_from_previous:
+                cotangents = (no_layer_out, np.zeros(streams.shape[:-1]), np.zeros(streams.shape))
+                layer_in = numpy_reference.carried_values(streams, no_layer_out, params, config, carried, *cotangents)[
+                    "layer_in"
+                ]
+                layer_out = np.asarray(branch(jnp.asarray(layer_in), *map(jnp.asarray, branch_args)))
+                values = numpy_reference.carried_values(streams, layer_out, params, config, carried, *cotangents, noise)
+                streams, carried = values["out"], values["h_pre"]
+            else:
+                layer_in = numpy_reference.forward(streams, no_layer_out, params, config, noise)[0]
+                layer_out = np.asarray(branch(jnp.asarray(layer_in), *map(jnp.asarray, branch_args)))
+                streams = numpy_reference.forward(streams, layer_out, params, config, noise)[1]
+        if carried is not None:
+            streams = numpy_reference.collapse_values(
+                streams, carried, np.zeros(streams.shape[:-2] + streams.shape[-1:])
+            )[0]
+        h = _collapsed(model, p, streams, noise)
+        scale, head = jnp.asarray(p[("final_norm", "scale")]), jnp.asarray(p[("head", "kernel")])
+        return np.asarray(_logits(jnp.asarray(h), scale, head, model.final_norm.epsilon))
+
+
+def transformer_values(model, tokens, targets, parameters=None, noise=None) -> tuple[float, dict]:
+    """(loss, {path: dloss/dparameter}) of ``mhc.models.loss_fn(model, tokens, targets)`` in
+    float64, paths as nnx.to_flat_state(nnx.state(grads)) names them. parameters: {path: value}
+    in place of the model's (model_parameters; moved ones for the spread), the model supplying
+    the structure; noise: numpy_reference's noise= for the mHC parts."""
+    config = model.config
+    p = _float64_parameters(model, parameters)
+    mhc_config = config.mhc_config()
+    tokens, targets = np.asarray(tokens), np.asarray(targets)
+    streams, sublayers, values = _chain(model, p, tokens)
+    epsilon = model.final_norm.epsilon
 
     tail = {}
 
     def loss_cotangent(out):
         """The loss' cotangent of the chain's out (the streams; V4.1: the collapsed h), and the
         loss and the gradients of the collapse, the final norm and the logits on the way."""
-        h = out
-        if config.final_collapse == "head":
-            head = tuple(p[("collapse", name)] for name in ("fn", "base", "scale"))
-            h = numpy_reference.head_values(out, head, mhc_config, np.zeros(out.shape[:-2] + out.shape[-1:]), noise)[0]
-        elif config.final_collapse == "sum":
-            h = out.sum(axis=-2)
+        h = _collapsed(model, p, out, noise)
         with jax.enable_x64(True):
             loss, (dh, dscale, dhead) = _logits_loss_and_grads(
                 jnp.asarray(h),
@@ -130,6 +169,7 @@ def transformer_values(model, tokens, targets, parameters=None, noise=None) -> t
         tail.update(loss=float(loss), final_scale=np.asarray(dscale), head=np.asarray(dhead))
         dh = np.asarray(dh)
         if config.final_collapse == "head":
+            head = tuple(p[("collapse", name)] for name in ("fn", "base", "scale"))
             _, dout, *dcollapse = numpy_reference.head_values(out, head, mhc_config, dh, noise)
             tail.update(collapse=dcollapse)
             return dout
@@ -137,7 +177,6 @@ def transformer_values(model, tokens, targets, parameters=None, noise=None) -> t
             return np.broadcast_to(dh[..., None, :], out.shape)
         return dh
 
-    values = carried_chain_values if mhc_config.pre_from_previous else chain_values
     _, dstreams, dmhc, dbranches = values(streams, sublayers, loss_cotangent, noise=noise)
     grads = {("embed", "embedding"): np.zeros_like(p[("embed", "embedding")])}
     np.add.at(grads[("embed", "embedding")], tokens, dstreams.sum(axis=-2))
@@ -193,3 +232,18 @@ def assert_model_gradients_match(evaluations: dict, model, tokens, targets, cont
             assert_matches(
                 "/".join(map(str, path)), np.asarray(got[...]), want[path], 1e-5, perturbed, f"({label}) {context}"
             )
+
+
+def assert_logits_match(evaluations: dict, model, tokens, context=""):
+    """Each f32 evaluation of the model's logits in evaluations ({label: logits}) against
+    transformer_logits with the one accuracy rule (f32 bound 1e-5, or SPREAD_MULTIPLE x the
+    oracle's spread on parameters moved by one f32 unit)."""
+    want = transformer_logits(model, tokens)
+    parameters = model_parameters(model)
+
+    def perturbed(rng):
+        moved = {path: round_by_one_unit(rng, value) for path, value in parameters.items()}
+        return transformer_logits(model, tokens, moved, noise=rng)
+
+    for label, logits in evaluations.items():
+        assert_matches("logits", logits, want, 1e-5, perturbed, f"({label}) {context}")
