@@ -247,3 +247,25 @@ def assert_logits_match(evaluations: dict, model, tokens, context=""):
 
     for label, logits in evaluations.items():
         assert_matches("logits", logits, want, 1e-5, perturbed, f"({label}) {context}")
+
+
+def transformer_loss(model, tokens, targets, parameters=None, noise=None) -> float:
+    """mhc.models.loss_fn (the mean cross entropy) in float64, from transformer_logits."""
+    logits = transformer_logits(model, tokens, parameters, noise)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return float(-np.mean(np.take_along_axis(log_probs, np.asarray(targets)[..., None], axis=-1)))
+
+
+def assert_loss_matches(evaluations: dict, model, tokens, targets, context=""):
+    """Each f32 loss in evaluations ({label: loss}) against transformer_loss with the one accuracy
+    rule (f32 bound 1e-5, or SPREAD_MULTIPLE x the oracle's spread)."""
+    want = transformer_loss(model, tokens, targets)
+    parameters = model_parameters(model)
+
+    def perturbed(rng):
+        moved = {path: round_by_one_unit(rng, value) for path, value in parameters.items()}
+        return transformer_loss(model, tokens, targets, moved, noise=rng)
+
+    for label, loss in evaluations.items():
+        assert_matches("loss", np.float32(loss), want, 1e-5, perturbed, f"({label}) {context}")
