@@ -1,5 +1,5 @@
-"""mhc.models' Transformer (the mHC residuals) in float64: the oracle of a whole small model's loss
-and parameter gradients, against which each f32 evaluation (kernel, plain, recompute) is checked
+"""mhc.models' Transformer (the mHC residuals) in float64: the oracle of a whole small model's
+logits, loss and parameter gradients, against which each f32 evaluation (kernel, plain, recompute) is checked
 with the one accuracy rule (conftest.assert_matches), never against another f32 evaluation.
 
 The mHC chain, V4's head and V4.1's collapse come from numpy_reference (through
@@ -22,6 +22,10 @@ from flax import nnx
 import mhc.jax as mj
 import numpy_reference
 from conftest import assert_matches, carried_chain_values, chain_values, round_by_one_unit
+from mhc.models import MHC_RESIDUALS
+
+# The branches and the logits are jitted (x64 traces its own): eager float64 JAX compiles every
+# operation apart, 20 s for this oracle on the shared host.
 
 
 def _rms_norm(h, scale, epsilon):
@@ -63,7 +67,6 @@ def _flat_params(p, path):
     )
 
 
-# One compilation each (x64 traces its own): eager float64 JAX compiles every operation apart, 20 s.
 _logits_loss_and_grads = jax.jit(jax.value_and_grad(_logits_loss, argnums=(0, 1, 2)), static_argnums=4)
 
 
@@ -74,8 +77,8 @@ def model_parameters(model) -> dict:
 
 def _float64_parameters(model, parameters):
     config = model.config
-    if config.residual not in ("mhc", "mhc-lite", "mhc-v4.1"):
-        raise ValueError(f"residual: the float64 model covers mHC's residuals, got {config.residual!r}")
+    if config.residual not in MHC_RESIDUALS:
+        raise ValueError(f"residual: the float64 model covers {MHC_RESIDUALS}, got {config.residual!r}")
     return {path: np.asarray(value, np.float64) for path, value in (parameters or model_parameters(model)).items()}
 
 
