@@ -360,19 +360,20 @@ def round_by_one_unit(rng: np.random.Generator, value):
     return array * (1.0 + rng.uniform(-(2.0**-24), 2.0**-24, array.shape))
 
 
-def assert_recompute_keeps_the_bits(got_grads, want_grads, seed):
+def assert_recompute_keeps_the_mhc_bits(got_grads, want_grads, seed):
     """Recompute reruns mhc's kernels on the same inputs, so the gradients of every mHC parameter
     (the ``*_hc`` modules: sums the kernels take over all tokens, downstream of every recomputed
-    stream) are the same bits. The model's own layers are XLA's: in the rematerialized program XLA
-    may fuse and order its own sums over tokens differently (seen on an AVX2-only EPYC: the MLP's
-    bias gradient, XLA's sum of the kernel's bitwise-equal dlayer_out over 16 tokens, one ulp
-    apart), so those leaves are held to the spec's f32 bound instead."""
+    stream) are the same bits. The model's own layers are XLA's, which may fuse and order its sums
+    over tokens differently in the rematerialized program (seen on an AVX2-only EPYC: the MLP's
+    bias gradient one ulp apart): the caller holds those, like every leaf, to the float64 model
+    (model_reference.assert_model_gradients_match)."""
     assert [path for path, _ in got_grads] == [path for path, _ in want_grads]
-    for (path, got), (_, want) in zip(got_grads, want_grads, strict=True):
+    hc_leaves = [
+        (path, got, want)
+        for (path, got), (_, want) in zip(got_grads, want_grads, strict=True)
+        if any(str(part).endswith("_hc") for part in path)
+    ]
+    assert hc_leaves, "no mHC parameter among the gradients"
+    for path, got, want in hc_leaves:
         name = "/".join(map(str, path))
-        got, want = np.asarray(got[...]), np.asarray(want[...])
-        assert np.all(np.isfinite(got)), f"{name}: seed {seed}"
-        if any(str(part).endswith("_hc") for part in path):
-            assert np.array_equal(got, want), f"{name}: seed {seed}"
-        else:
-            assert relative_error(got, want) <= 1e-5, f"{name}: seed {seed}"
+        assert np.array_equal(np.asarray(got[...]), np.asarray(want[...])), f"{name}: seed {seed}"

@@ -9,9 +9,10 @@ import pytest
 from flax import nnx
 
 import mhc.jax as mj
-from conftest import assert_matches, assert_recompute_keeps_the_bits, round_by_one_unit
+from conftest import assert_matches, assert_recompute_keeps_the_mhc_bits, round_by_one_unit
 from mhc.flax import Head, ManifoldConstrainedHyperConnections, stack
 from mhc.models import RESIDUALS, HyperConnections, ModelConfig, Transformer, loss_fn
+from model_reference import assert_model_gradients_match
 
 TINY = dict(width=16, layers=2, heads=2, n=4)
 
@@ -133,11 +134,13 @@ def test_recompute_gives_the_gradients_and_mixes_of_keeping_every_stream(seed, r
         model = Transformer(config, rngs=nnx.Rngs(seed))
         _randomize(model, np.random.default_rng(seed), scale=0.1)
         grads = nnx.jit(nnx.grad(loss_fn))(model, tokens, targets)
-        return nnx.to_flat_state(nnx.state(grads)), model.residual_mixes(tokens)
+        return nnx.to_flat_state(nnx.state(grads)), model.residual_mixes(tokens), model
 
-    want_grads, want_mixes = run(None)
-    got_grads, got_mixes = run(3)
-    assert_recompute_keeps_the_bits(got_grads, want_grads, seed)
+    want_grads, want_mixes, model = run(None)
+    got_grads, got_mixes, _ = run(3)
+    assert_recompute_keeps_the_mhc_bits(got_grads, want_grads, seed)
+    evaluations = {"every stream kept": want_grads, "recompute": got_grads}
+    assert_model_gradients_match(evaluations, model, tokens, targets, f"(seed {seed})")
     np.testing.assert_array_equal(got_mixes, want_mixes)  # sown through nnx.remat
 
 
