@@ -17,6 +17,13 @@ export CMAKE_C_COMPILER_LAUNCHER = $(ccache_path)
 export CMAKE_CXX_COMPILER_LAUNCHER = $(ccache_path)
 export CMAKE_CUDA_COMPILER_LAUNCHER = $(ccache_path)
 endif
+# build/, the pip build (build/python) and make mutate's copy (build-mutate/tree) compile the library
+# with the same flags: ccache serves the later two from the first when their commands match, which
+# needs the same compiler name (CMake would pick c++ for one and g++ for the other; ccache hashes
+# the name), and paths relative to the checkout (base_dir; each build directory sits one level
+# below its source tree).
+export CXX
+export CCACHE_BASEDIR ?= $(CURDIR)
 
 .PHONY: setup configure build python check test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
 	example consumer clean tpu-compile tpu-compile-v4
