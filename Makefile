@@ -17,6 +17,16 @@ export CMAKE_C_COMPILER_LAUNCHER = $(ccache_path)
 export CMAKE_CXX_COMPILER_LAUNCHER = $(ccache_path)
 export CMAKE_CUDA_COMPILER_LAUNCHER = $(ccache_path)
 endif
+# build/, the pip build (build/python) and make mutate's copy (build-mutate/tree) compile the library
+# with the same flags: ccache serves the later two from the first when their commands match, which
+# needs the same compiler name (CMake would pick c++ for one and g++ for the other; ccache hashes
+# the name), and paths relative to the checkout (base_dir; each build directory sits one level
+# below its source tree).
+export CXX
+export CCACHE_BASEDIR ?= $(CURDIR)
+
+# Each stage of make test prints its wall and CPU time (scripts/timed.sh).
+timed = bash $(CURDIR)/scripts/timed.sh $@
 
 .PHONY: setup configure build python check test test-cpp test-python sanitize fuzz format lint coverage mutate bench bench-cpp demo \
 	example consumer clean tpu-compile tpu-compile-v4
@@ -29,7 +39,7 @@ configure: setup
 	@cmake -S . -B $(BUILD) $(CMAKE_FLAGS) > /dev/null
 
 build: configure
-	@cmake --build $(BUILD) -j $(JOBS)
+	@$(timed) cmake --build $(BUILD) -j $(JOBS)
 
 # The virtual environment with the pinned Python packages, rebuilt when the pins change.
 $(VENV)/.installed: requirements-dev.txt
@@ -40,15 +50,15 @@ $(VENV)/.installed: requirements-dev.txt
 
 # The mhc Python package (C++ core + XLA FFI handlers), built against the venv's jaxlib.
 python: setup $(VENV)/.installed
-	@$(VENV)/bin/pip install -q --no-build-isolation .
+	@$(timed) $(VENV)/bin/pip install -q --no-build-isolation .
 
 test-cpp: build
-	@cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	@cd $(BUILD) && $(timed) ctest --output-on-failure -j $(JOBS)
 
 # The installed package from a separate CMake project (tests/consumer/, find_package(mhc)): build/
 # installed as built (static), then a library-only shared build (build-install-shared/).
 consumer: build
-	@BUILD=$(BUILD) JOBS=$(JOBS) bash scripts/consumer_test.sh
+	@BUILD=$(BUILD) JOBS=$(JOBS) $(timed) bash scripts/consumer_test.sh
 
 test-python: python
 	@$(PYTHON) -m pytest -q -n $(JOBS) tests/python
@@ -62,11 +72,11 @@ check: test-cpp python
 # The C++ tests under ASan + UBSan (also measuring C++ line coverage; fails under 85% of src/'s
 # lines) and under TSan (clang).
 sanitize: setup
-	@bash scripts/sanitize.sh
+	@$(timed) bash scripts/sanitize.sh
 
 # libFuzzer over the public C++ API for FUZZ_SECONDS (default 30).
 fuzz: setup
-	@bash scripts/fuzz.sh
+	@$(timed) bash scripts/fuzz.sh
 
 # Rewrites C++/CUDA (clang-format) and Python (ruff format, ruff's safe fixes) in place.
 format: setup $(VENV)/.installed
@@ -74,20 +84,29 @@ format: setup $(VENV)/.installed
 
 # Checks formatting, then clang-tidy (.clang-tidy) and ruff check (pyproject.toml); fails on any finding.
 lint: setup $(VENV)/.installed
-	@bash scripts/lint.sh
+	@$(timed) bash scripts/lint.sh
 
 # Python tests under coverage.py; fails under 85% of the package's lines.
 coverage: python
-	@bash scripts/coverage.sh
+	@$(timed) bash scripts/coverage.sh
 
 # Plants each semantic bug listed in scripts/mutate.py in a copy of the tree (build-mutate/), rebuilds
 # incrementally and runs the fast tests: fails unless every mutation is caught.
 mutate: setup $(VENV)/.installed
-	@python3 scripts/mutate.py
+	@$(timed) python3 scripts/mutate.py
 
 # Every test: C++ (GoogleTest through CTest), the installed package, sanitizers, a bounded fuzz run,
-# Python (pytest, run once, under coverage), the mutation check, then the lint checks.
-test: test-cpp consumer sanitize fuzz coverage mutate lint
+# Python (pytest, run once, under coverage), the mutation check and the lint checks. build/ first
+# (the pip build and make mutate's copy are then served from its compiles by ccache), then the
+# stages TEST_STAGES at a time, longest first: each stage uses every core for most of its time but
+# one thread for part of it (configuring, linking, the fuzzer, each mutation's pytest), which the
+# other stage fills. --output-sync prints each stage's output whole, when it ends, with its time
+# (scripts/timed.sh; docs/testing.md, "CI time").
+TEST_STAGES ?= 2
+test: setup $(VENV)/.installed
+	@$(MAKE) --no-print-directory build
+	@$(MAKE) --no-print-directory -j $(TEST_STAGES) --output-sync=target \
+		coverage mutate sanitize lint test-cpp consumer fuzz
 
 # Kernels vs the jitted plain-JAX path on the roofline (python -m mhc.bench; BENCH_ARGS passes
 # flags, e.g. BENCH_ARGS="--tokens 8192 --dims 4096 --dtypes bf16 --json bench.json").

@@ -32,7 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build-mutate"
 TREE = WORK / "tree"
-BUILD = WORK / "build"
+# Inside the copy, as build/ is inside the checkout: with the Makefile's CCACHE_BASEDIR (the
+# checkout) ccache sees the same relative paths and flags as build/ and the pip build, so the
+# baseline build is served from their compiles.
+BUILD = TREE / "build"
 VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 # The C++ stage: every kernel, split, reference and edge test but the slow timing-style ones (thread
@@ -621,7 +624,8 @@ def sync_tree() -> None:
             shutil.copymode(source, target)
     for target in TREE.rglob("*"):
         relative = target.relative_to(TREE).as_posix()
-        if target.is_file() and relative not in wanted and not relative.startswith("python/mhc/_mhc_"):
+        kept = relative.startswith(("python/mhc/_mhc_", "build/"))  # the extension, the build
+        if target.is_file() and relative not in wanted and not kept:
             target.unlink()
 
 
@@ -630,7 +634,7 @@ def configure() -> None:
         return
     command = [
         "cmake", "-S", str(TREE), "-B", str(BUILD), "-DCMAKE_BUILD_TYPE=Release", "-DMHC_BUILD_CUDA=OFF",
-        "-DMHC_BUILD_BENCH=OFF", "-DMHC_BUILD_EXAMPLES=OFF", "-DMHC_BUILD_PYTHON=ON",
+        "-DMHC_BUILD_BENCH=OFF", "-DMHC_BUILD_EXAMPLES=OFF", "-DMHC_BUILD_PYTHON=ON", "-DMHC_WERROR=ON",
         f"-DPython_EXECUTABLE={VENV_PYTHON}",
     ]  # fmt: skip
     # ccache: each mutation's build recompiles the previous mutation's file, restored to the text
