@@ -34,6 +34,7 @@ from conftest import (
 from mhc.flax import ManifoldConstrainedHyperConnections
 from mhc.jax import _kernels
 from mhc.models import ModelConfig, Transformer
+from mhc.tpu import testing as tpu_testing
 from mhc.tpu.testing import interpret_on_cpu
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
@@ -80,15 +81,15 @@ def _assert_close(got: dict, want: dict, dtype, context: str):
 
 
 def test_the_switch_is_off_unless_entered():
-    assert _kernels._interpret_on_cpu is None
+    assert tpu_testing.interpret_params is None
     with interpret_on_cpu():
-        assert _kernels._interpret_on_cpu is not None
+        assert tpu_testing.interpret_params is not None
         with pytest.raises(RuntimeError, match="does not nest"), interpret_on_cpu():
             pass
-    assert _kernels._interpret_on_cpu is None
+    assert tpu_testing.interpret_params is None
     with pytest.raises(KeyError), interpret_on_cpu():
         raise KeyError("an error inside")
-    assert _kernels._interpret_on_cpu is None
+    assert tpu_testing.interpret_params is None
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

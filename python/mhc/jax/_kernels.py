@@ -21,7 +21,7 @@ platform is only known when XLA lowers the program (it may be lowered or exporte
 machine), so the checks are a primitive whose lowering rule makes the decision.
 
 Test only: mhc.tpu.testing.interpret_on_cpu makes the CPU lowering dispatch as a TPU would (the
-TPU kernels in Pallas's interpreter); see _interpret_on_cpu.
+TPU kernels in Pallas's interpreter); see mhc.tpu.testing.interpret_params.
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config  # _check_vma (_tpu_kernel_lowering), State (_interpret_on_cpu_key)
+from jax._src import config as jax_config  # _check_vma (_tpu_kernel_lowering)
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from mhc import _ffi
+from mhc import _ffi, tpu
+from mhc._config import Config, HeadParams, Params
 from mhc.jax._partitioning import Operation, Plan, apply
-from mhc.jax._types import Config, HeadParams, Params
+from mhc.tpu import testing as tpu_testing  # the test switch, interpret_on_cpu
 
 _F32 = jnp.float32
 
@@ -110,7 +111,7 @@ def _call(target: str, config: Config, result_types, *args, slices: int = 1):
     def ffi(*args):
         return _ffi_call(*args, target=target, config=config, result_types=types, slices=slices)
 
-    def tpu(interpret):
+    def tpu_branch(interpret):
         def run(*args):
             options = dict(target=target, config=config, result_types=types, slices=slices, interpret=interpret)
             return tuple(_tpu_kernel_p.bind(*args, **options))
@@ -122,7 +123,8 @@ def _call(target: str, config: Config, result_types, *args, slices: int = 1):
         backend = _backend(platform)
         if target in registered_targets(backend):
             # On the CPU under the test switch: the TPU kernel in Pallas's interpreter.
-            branches[platform] = ffi if backend != "tpu" else tpu(None if platform == "tpu" else _interpret_on_cpu)
+            interpret = None if platform == "tpu" else tpu_testing.interpret_params
+            branches[platform] = ffi if backend != "tpu" else tpu_branch(interpret)
     results = jax.lax.platform_dependent(*args, **branches, default=ffi)
     return results[0] if single else results
 
@@ -145,7 +147,7 @@ _tpu_kernel_p.def_abstract_eval(lambda *args, result_types, **_: [jax.typeof(r) 
 
 def _tpu_kernel_lowering(ctx, *args, target: str, config: Config, result_types: tuple, slices: int, interpret):
     def kernel(*args):
-        results = _tpu_kernels()[target](config, *args, interpret=interpret)
+        results = tpu.KERNELS[target](config, *args, interpret=interpret)
         return (results,) if len(result_types) == 1 else tuple(results)
 
     # Inside jax.shard_map (check_vma), pallas_call wants each output's varying mesh axes in its
@@ -694,50 +696,17 @@ PARTITIONED_TARGETS = frozenset(
 _KERNEL_PLATFORMS = ("cpu", "cuda", "tpu")  # the lowering platforms with an mhc backend
 
 
-def _tpu_kernels() -> dict:
-    """mhc.tpu.KERNELS, imported on first use: mhc.tpu imports mhc.jax._types, so importing it
-    while mhc.jax loads would be circular."""
-    from mhc import tpu
-
-    return tpu.KERNELS
-
-
 def registered_targets(platform: str) -> frozenset:
     """The kernels this process has for a lowering platform ("cpu", "cuda", "tpu"), by FFI target
     name: the C++ FFI targets registered for cpu and cuda, mhc.tpu.KERNELS' keys for tpu."""
     if platform == "tpu":
-        return frozenset(_tpu_kernels())
+        return frozenset(tpu.KERNELS)
     return frozenset({"cpu": _ffi.TARGET_NAMES, "cuda": _ffi.CUDA_TARGETS}.get(platform, ()))
-
-
-# The test switch (mhc.tpu.testing.interpret_on_cpu, never on by default): while it holds Pallas
-# interpret parameters, the CPU lowering dispatches as a TPU would, to mhc.tpu.KERNELS run in the
-# TPU interpreter with these parameters, and raises the TPU's errors for what has no TPU kernel.
-# A module global, not a thread-local: XLA calls the partitioning rules back while it compiles.
-_interpret_on_cpu = None
-# The same value as a JAX config state in the jit and trace cache keys (the global value, which
-# every thread reads): a function compiled with the switch off is traced and compiled again with
-# it on, and the reverse, so neither runs the other's kernels; JAX keeps both compilations, and
-# nothing else is recompiled (tests/python/test_tpu_dispatch.py holds it to both directions).
-_interpret_on_cpu_key = jax_config.State(
-    "mhc_interpret_on_cpu",
-    None,
-    "mhc.tpu.testing.interpret_on_cpu's switch, in JAX's cache keys",
-    include_in_jit_key=True,
-    include_in_trace_context=True,
-)
-
-
-def _set_interpret_on_cpu(interpret) -> None:
-    """Sets the test switch (None: off); only mhc.tpu.testing calls this."""
-    global _interpret_on_cpu
-    _interpret_on_cpu = interpret
-    _interpret_on_cpu_key.set_global(interpret)
 
 
 def _backend(platform: str) -> str:
     """Whose kernels run on a lowering platform: its own, or the TPU's on the CPU under the switch."""
-    return "tpu" if platform == "cpu" and _interpret_on_cpu is not None else platform
+    return "tpu" if platform == "cpu" and tpu_testing.interpret_params is not None else platform
 
 
 def _platform_label(platform: str) -> str:

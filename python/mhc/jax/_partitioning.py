@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mhc.jax._types import Config
+from mhc._config import Config
 
 
 def _names(entry) -> tuple:
