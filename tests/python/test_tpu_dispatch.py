@@ -221,7 +221,7 @@ def test_the_boundary_on_the_tpu_path():
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(_kernels, "_warned", set())
+    monkeypatch.setattr(_kernels.dispatch, "_warned", set())
 
 
 def test_the_flax_layer_matches_the_cpu_kernels(seed):
