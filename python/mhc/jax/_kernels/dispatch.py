@@ -2,7 +2,7 @@
 Pallas kernel under the same name), the platform check, the partitioned apply, and the helpers
 the per-device functions and custom VJPs of pre, post, boundary, head and collapse all use.
 
-Dispatch: each kernel call (the wrappers below, by FFI target name) is a platform_dependent over
+Dispatch: each kernel call (_call, from the families' wrappers, by FFI target name) is a platform_dependent over
 the backends that have that kernel: the C++ FFI target on cpu and cuda (registered_targets), the
 Pallas kernel mhc.tpu.KERNELS has under the same name on tpu. So the custom VJPs and partitioning
 rules above them are the same on every platform, and nothing above knows which backend ran.
