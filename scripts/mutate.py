@@ -321,7 +321,7 @@ MUTATIONS = (
         "the fused boundary's backward lets the token rows XLA padded into the parameter gradients",
         (
             Edit(
-                "python/mhc/jax/_kernels.py",
+                "python/mhc/jax/_kernels/boundary.py",
                 "_zero_padded_rows(plan.valid_tokens(lead), *next_cotangents, x,",
                 "_zero_padded_rows(None, *next_cotangents, x,",
             ),
@@ -335,7 +335,7 @@ MUTATIONS = (
         "transpose of the carried input: P times too large",
         (
             Edit(
-                "python/mhc/jax/_kernels.py",
+                "python/mhc/jax/_kernels/dispatch.py",
                 "features=tensor_axis if slices > 1 else None, slices=slices, shares=True)",
                 "features=tensor_axis if slices > 1 else None, slices=slices, shares=False)",
             ),
@@ -404,7 +404,7 @@ MUTATIONS = (
         "V4.1's pre saves the carried mix without its checkpoint name (a names policy re-runs the sublayer before)",
         (
             Edit(
-                "python/mhc/jax/_kernels.py",
+                "python/mhc/jax/_kernels/pre.py",
                 "saved = (*_named(RESIDUAL_X, x), *_named(RESIDUAL_COEFFICIENTS, carried), *_named(RESIDUAL_PARTIALS,",
                 "saved = (*_named(RESIDUAL_X, x), carried, *_named(RESIDUAL_PARTIALS,",
             ),
@@ -438,8 +438,8 @@ MUTATIONS = (
         "interpret_on_cpu's switch left out of JAX's cache keys: a function compiled outside runs CPU kernels inside",
         (
             Edit(
-                "python/mhc/jax/_kernels.py",
-                "    _interpret_on_cpu_key.set_global(interpret)\n",
+                "python/mhc/tpu/testing.py",
+                "    _interpret_params_key.set_global(interpret)\n",
                 "    pass\n",
             ),
         ),
@@ -447,6 +447,13 @@ MUTATIONS = (
         python_tests=(
             "tests/python/test_tpu_dispatch.py::test_a_function_compiled_outside_runs_the_tpu_kernels_inside",
         ),
+    ),
+    Mutation(
+        "tpu_kernel_missing_from_table",
+        "mhc.tpu.KERNELS loses the V4.1 collapse backward: a TPU would raise where it ran before",
+        (Edit("python/mhc/tpu/__init__.py", '    "mhc_collapse_backward": collapse_backward,\n', ""),),
+        python=True,
+        python_tests=("tests/python/test_dispatch.py::test_each_backend_has_exactly_its_kernels[tpu]",),
     ),
     Mutation(
         "tpu_projection_default_precision",

@@ -15,11 +15,19 @@ allocate; importing mhc changes nothing in the process's allocator.
 
 from importlib.metadata import version as _distribution_version
 
-from mhc._mhc_cpu import num_threads, set_num_threads
-
 __all__ = ["num_threads", "set_num_threads", "tune_allocator"]
 # The installed distribution's version, which the build took from include/mhc/version.h.
 __version__ = _distribution_version("mhc")
+
+
+def __getattr__(name: str):
+    """num_threads and set_num_threads, from the C++ extension on first use: importing mhc (and
+    so mhc._config or mhc.tpu) does not need the compiled extension."""
+    if name in ("num_threads", "set_num_threads"):
+        from mhc import _mhc_cpu
+
+        return getattr(_mhc_cpu, name)
+    raise AttributeError(f"module 'mhc' has no attribute {name!r}")
 
 
 def tune_allocator() -> bool:

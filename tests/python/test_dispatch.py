@@ -13,10 +13,56 @@ import jax.numpy as jnp
 import pytest
 
 import mhc.jax as mj
-import mhc.tpu
 from conftest import random_params
 from mhc import _ffi
 from mhc.jax import _kernels
+
+# The kernels each backend has, written out, so that a kernel lost from a backend (a row gone from
+# mhc.tpu.KERNELS, a registration dropped) fails here instead of the tests adapting to it.
+V4_KERNELS = frozenset(
+    f"mhc_{operation}_{direction}"
+    for operation in ("pre", "post", "boundary", "head")
+    for direction in ("forward", "backward")
+)
+V41_KERNELS = frozenset(
+    {
+        "mhc_pre_forward_carried",
+        "mhc_pre_backward_carried",
+        "mhc_boundary_forward_carried",
+        "mhc_boundary_backward_carried",
+        "mhc_collapse_forward",
+        "mhc_collapse_backward",
+    }
+)
+# The D-split (tensor-parallel) forms.
+SPLIT_KERNELS = frozenset(
+    {
+        "mhc_pre_forward_partials",
+        "mhc_pre_forward_finish",
+        "mhc_pre_forward_finish_carried",
+        "mhc_pre_backward_partials",
+        "mhc_pre_backward_finish",
+        "mhc_pre_backward_finish_carried",
+    }
+)
+EXPECTED_KERNELS = {
+    "cpu": V4_KERNELS | V41_KERNELS | SPLIT_KERNELS,
+    # The CUDA backend: V4's pre and post and their split forms, no boundary, head or V4.1.
+    "cuda": frozenset(
+        {
+            "mhc_pre_forward",
+            "mhc_pre_backward",
+            "mhc_post_forward",
+            "mhc_post_backward",
+            "mhc_pre_forward_partials",
+            "mhc_pre_forward_finish",
+            "mhc_pre_backward_partials",
+            "mhc_pre_backward_finish",
+        }
+    ),
+    # The TPU backend: every fused kernel, no split form.
+    "tpu": V4_KERNELS | V41_KERNELS,
+}
 
 CONFIG = mj.Config(n=4)
 T, D = 6, 16
@@ -77,16 +123,27 @@ def _has_kernels(operation: str, platform: str) -> bool:
     return set(targets[operation]) <= _kernels.registered_targets(platform)
 
 
+@pytest.mark.parametrize("platform", sorted(EXPECTED_KERNELS))
+def test_each_backend_has_exactly_its_kernels(platform):
+    """The kernels the dispatch finds per platform, against the sets written above (CUDA's only
+    where this build has the CUDA backend)."""
+    if platform == "cuda" and not _ffi.CUDA_TARGETS:
+        assert _kernels.registered_targets("cuda") == frozenset()
+        return
+    assert _kernels.registered_targets(platform) == EXPECTED_KERNELS[platform]
+
+
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The warn-once record emptied, as in a fresh process."""
-    monkeypatch.setattr(_kernels, "_warned", set())
+    monkeypatch.setattr(_kernels.dispatch, "_warned", set())
 
 
 def _tpu_runs(operation: str) -> tuple[bool, bool]:
-    """(forward, backward): whether a TPU runs them, from the TPU backend's table mhc.tpu.KERNELS:
-    the operation's own kernel, or for the boundary its post and pre ones."""
-    tpu = set(mhc.tpu.KERNELS)
+    """(forward, backward): whether a TPU runs them, from the TPU's expected kernels (which
+    test_each_backend_has_exactly_its_kernels holds mhc.tpu.KERNELS to): the operation's own
+    kernel, or for the boundary its post and pre ones."""
+    tpu = EXPECTED_KERNELS["tpu"]
     own = {f"mhc_{operation}_forward"} <= tpu, {f"mhc_{operation}_backward"} <= tpu
     if operation != "boundary":
         return own
@@ -123,9 +180,7 @@ def test_a_tpu_runs_the_tpu_kernels_or_gets_the_mhc_error(operation, mix, dtype)
 
 def test_a_tpu_runs_its_kernels_inside_shard_map_with_the_tokens_split():
     """jax.shard_map (check_vma on) over the tokens: each device's kernels, typed like the FFI
-    calls' results. Value and gradient exported for a TPU where KERNELS has pre and post."""
-    if not {"mhc_pre_forward", "mhc_pre_backward", "mhc_post_forward", "mhc_post_backward"} <= set(mhc.tpu.KERNELS):
-        pytest.skip("the TPU backend has no pre/post backward kernel yet (test_a_tpu_runs_... asserts its error)")
+    calls' results. Value and gradient exported for a TPU."""
     mesh = jax.sharding.AbstractMesh((2,), ("data",))
     x, params = _problem("pre")[1]
     spec = jax.sharding.PartitionSpec

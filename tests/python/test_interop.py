@@ -256,9 +256,7 @@ def test_forward_matches_deepseek_v4(seed, n, hc_eps):
 
 
 # DeepSeek-V4.1 (spec: Single-pass schedule): the same per-layer tensors, no head, and a
-# pre-apply by the previous sublayer's gates. Needs mhc.jax's V4.1 API (Config.pre_from_previous).
-HAS_V41 = "pre_from_previous" in {field.name for field in dataclasses.fields(mj.Config)}
-needs_v41 = pytest.mark.skipif(not HAS_V41, reason="mhc.jax.Config has no pre_from_previous yet (V4.1 API)")
+# pre-apply by the previous sublayer's gates.
 V41_CONFIG = {
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,
@@ -315,7 +313,6 @@ class TransformersConfig:
         return json.loads(json.dumps(self._fields))
 
 
-@needs_v41
 def test_config_from_v41():
     v41 = mj.Config(
         n=4, sinkhorn_iters=20, sinkhorn_eps=1e-6, rms_eps=1e-20, pre_eps=1e-6, post_scale=2.0, pre_from_previous=True
@@ -348,7 +345,6 @@ def test_config_from_hf_v4():
     assert interop.config_from_v4(TransformersConfig(hf_v4)) == mj.Config(n=4, rms_eps=1e-5)
 
 
-@needs_v41
 def test_config_from_v4_rejects_what_it_cannot_place():
     """A configuration of another model, or one that contradicts itself, raises instead of being read as V4."""
     text = hf_v41_text_config()
@@ -369,7 +365,6 @@ def test_config_from_v4_rejects_what_it_cannot_place():
         interop.config_from_v4({"model_type": "deepseek_v4", "hc_mult": 4, "hc_pre_from_prev_sublayer": True})
 
 
-@needs_v41
 @pytest.mark.parametrize("naming", interop.NAMINGS)
 def test_v41_round_trips_are_exact(seed, naming):
     """V4.1's tensors (fn F32 [24, 20480] at D = 5120; D = 5 here) convert both ways bit for bit."""
@@ -408,7 +403,6 @@ def v41_forward(x, sublayers, branches, *, rms_eps, hc_eps, sinkhorn_iters):
     return layer_ins, np.sum(carried[..., None] * x, axis=-2), gates
 
 
-@needs_v41
 @pytest.mark.parametrize(("hc_eps", "rms_eps"), ((1e-6, 1e-20), (1e-3, 1e-6)))
 def test_forward_matches_deepseek_v41(seed, hc_eps, rms_eps):
     """Three sublayers (layer 0's attn and ffn, layer 1's attn) of V4.1 loaded by interop, through
@@ -688,7 +682,6 @@ def test_load_errors(seed, tmp_path):
         interop.load_v4(file, config, naming="torch")
 
 
-@needs_v41
 def test_load_v41_checkpoint_without_head(seed, tmp_path):
     """A V4.1 checkpoint (no hc_head_*, either naming): loaded without asking for a head; asking
     for one is an error, and a V4 config still demands it."""
@@ -733,7 +726,6 @@ V41_NAMINGS = {
 }
 
 
-@needs_v41
 @pytest.mark.parametrize("naming", sorted(V41_NAMINGS))
 @pytest.mark.parametrize("composite", (False, True), ids=("text-config", "composite-config"))
 def test_v41_checkpoint_round_trip(seed, tmp_path, naming, composite):

@@ -4,8 +4,6 @@ path matches its plain path, ModelConfig's "mhc-v4.1" residual (no head, the car
 and what it refuses, and the model's gradients on the kernels against the plain path and with
 recompute."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,11 +15,6 @@ from conftest import assert_chain_matches, assert_recompute_keeps_the_mhc_bits
 from mhc.flax import ManifoldConstrainedHyperConnections, stack
 from mhc.models import ModelConfig, Transformer, loss_fn
 from model_reference import assert_model_gradients_match
-
-pytestmark = pytest.mark.skipif(
-    "pre_from_previous" not in {field.name for field in dataclasses.fields(mj.Config)} or not hasattr(mj, "collapse"),
-    reason="mhc.jax's V4.1 API (Config.pre_from_previous, collapse) not in yet",
-)
 
 TINY = dict(width=16, layers=2, heads=2, n=4)
 

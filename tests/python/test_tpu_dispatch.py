@@ -33,6 +33,7 @@ from conftest import (
 from mhc.flax import ManifoldConstrainedHyperConnections
 from mhc.jax import _kernels
 from mhc.models import ModelConfig, Transformer
+from mhc.tpu import testing as tpu_testing
 from mhc.tpu.testing import interpret_on_cpu
 from model_reference import assert_logits_match
 
@@ -67,15 +68,15 @@ def _inputs(seed, case):
 
 
 def test_the_switch_is_off_unless_entered():
-    assert _kernels._interpret_on_cpu is None
+    assert tpu_testing.interpret_params is None
     with interpret_on_cpu():
-        assert _kernels._interpret_on_cpu is not None
+        assert tpu_testing.interpret_params is not None
         with pytest.raises(RuntimeError, match="does not nest"), interpret_on_cpu():
             pass
-    assert _kernels._interpret_on_cpu is None
+    assert tpu_testing.interpret_params is None
     with pytest.raises(KeyError), interpret_on_cpu():
         raise KeyError("an error inside")
-    assert _kernels._interpret_on_cpu is None
+    assert tpu_testing.interpret_params is None
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -209,7 +210,7 @@ def test_the_boundary_on_the_tpu_path():
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(_kernels, "_warned", set())
+    monkeypatch.setattr(_kernels.dispatch, "_warned", set())
 
 
 def test_the_flax_layer_matches_the_cpu_kernels(seed):

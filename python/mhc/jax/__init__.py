@@ -65,6 +65,7 @@ from mhc.jax._types import (
     check_pre_args,
     init_head_params,
     init_params,
+    names_its_errors,
 )
 
 __all__ = [
@@ -161,6 +162,7 @@ def _global_x(x, rows, what: str, tensor_axis, slices: int, function: str):
     return jax.ShapeDtypeStruct((*x.shape[:-1], x.shape[-1] * slices), x.dtype) if slices > 1 else x
 
 
+@names_its_errors("mhc.jax.pre")
 def pre(
     x: jax.Array,
     params: Params,
@@ -208,6 +210,7 @@ def pre(
     return layer_in, Context(x_ctx, h_post, h_res, config, True, tensor_axis, h_pre=h_pre)
 
 
+@names_its_errors("mhc.jax.post")
 def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     """The new streams [..., n, D]: H_res^T x + H_post layer_out (spec: Forward step 8).
 
@@ -221,6 +224,7 @@ def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     return _kernels.post(ctx.config, ctx.tensor_axis, x, layer_out, h_post, h_res)
 
 
+@names_its_errors("mhc.jax.boundary")
 def boundary(
     layer_out: jax.Array,
     ctx: Context,
@@ -241,8 +245,9 @@ def boundary(
 
     ``fallback``: what to do on a platform without the fused kernels but with the ``post`` and
     ``pre`` kernels (a GPU): run those two, with a warning once per process (``"warn"``), without
-    it (``"allow"``), or raise instead (``"error"``). A platform without any mhc kernel (a TPU)
-    raises either way; ``use_kernel=False`` runs the plain formulas anywhere.
+    it (``"allow"``), or raise instead (``"error"``). The CPU and the TPU have the fused kernels,
+    a GPU only the fallback's; a platform without any mhc kernel raises either way;
+    ``use_kernel=False`` runs the plain formulas anywhere.
     ``config`` is the next sublayer's (same n as ``ctx.config``). ``tensor_axis``: as for ``pre``,
     and the same as the one ``ctx`` was made with (the streams keep their layout).
 
@@ -285,6 +290,7 @@ def _check_fallback(fallback) -> None:
         raise ValueError(f"fallback: expected one of {_kernels.FALLBACK_CHOICES}, got {fallback!r}")
 
 
+@names_its_errors("mhc.jax.sublayer")
 def sublayer(
     state,
     params: Params,
@@ -317,6 +323,7 @@ def sublayer(
     return Pending(branch(layer_in), ctx)
 
 
+@names_its_errors("mhc.jax.finish")
 def finish(state) -> jax.Array:
     """The streams [..., n, D] of a chain: the pending post applied (an array passes through)."""
     if isinstance(state, Pending):
@@ -326,6 +333,7 @@ def finish(state) -> jax.Array:
     return state
 
 
+@names_its_errors("mhc.jax.streams")
 def streams(state) -> Streams:
     """A chain's state as ``Streams(x, carried)``: the pending post applied, and in V4.1 the mix the
     next sublayer's pre reads (the last sublayer's ``ctx.h_pre``; None in V4, and for plain
@@ -340,6 +348,7 @@ def streams(state) -> Streams:
     return Streams(state, None)
 
 
+@names_its_errors("mhc.jax.collapse")
 def collapse(state, *, use_kernel: bool = True, tensor_axis: str | None = None) -> jax.Array:
     """DeepSeek-V4.1's end of the model: h [..., D] = sum_k carried[k] x[k] (x's dtype), the
     streams after the last post collapsed by that sublayer's pre gates (spec: Single-pass
@@ -526,6 +535,7 @@ def reduce(x: jax.Array) -> jax.Array:
     return x.sum(axis=-2, dtype=jnp.float32).astype(x.dtype)
 
 
+@names_its_errors("mhc.jax.head")
 def head(
     x: jax.Array, params: HeadParams, config: Config, *, use_kernel: bool = True, tensor_axis: str | None = None
 ) -> jax.Array:
@@ -533,8 +543,8 @@ def head(
     place of ``reduce``: out = sum_k g_k x_k, g = sigmoid(scale * r * (x_flat . fn^T) + base) + pre_eps.
 
     params: f32 ``HeadParams`` (fn [n, n*D], base [n], scale [1]); uses config.n, rms_eps and pre_eps.
-    The kernels run on the CPU only: elsewhere ``use_kernel=True`` raises, ``use_kernel=False``
-    runs the plain formulas.
+    The kernels run on the CPU and the TPU (none on a GPU): elsewhere ``use_kernel=True`` raises,
+    ``use_kernel=False`` runs the plain formulas.
 
     tensor_axis: only inside ``jax.shard_map`` with D split over a mesh axis: that axis's name
     (params whole, replicated). The head has no split form: x is all-gathered over the axis, the

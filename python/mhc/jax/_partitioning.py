@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mhc.jax._types import Config
+from mhc._config import Config
 
 
 def _names(entry) -> tuple:
@@ -120,6 +120,9 @@ class Operation:
     primary: int = 0  # the operand whose sharding decides the plan (one shaped like x)
     # False for an operation without a split form (the head): D is gathered, never sharded.
     splits_features: bool = True
+    # The documented fallback: the operations this one runs as where a platform lacks its own
+    # kernels but has theirs (the boundary: post then pre); its local function picks that branch.
+    fallback: tuple = dataclasses.field(default=(), compare=False)
 
     def rule(self, lead: int) -> tuple:
         """The Shardy rule: B -> b0 b1 ..., every other letter one factor; only B, d and r shard."""

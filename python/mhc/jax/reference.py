@@ -21,6 +21,7 @@ from mhc.jax._types import (
     check_head_args,
     check_post_args,
     check_pre_args,
+    names_its_errors,
 )
 
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -57,6 +58,7 @@ def _tokens(a: jax.Array, trailing: int) -> jax.Array:
     return a.reshape((math.prod(lead),) + a.shape[a.ndim - trailing :])
 
 
+@names_its_errors("mhc.jax.reference.coefficients")
 def coefficients(x: jax.Array, params: Params, config: Config):
     """h_pre [..., n], h_post [..., n], h_res [..., n, n] in f32 (spec: Forward steps 1-5)."""
     n = config.n
@@ -78,6 +80,7 @@ def coefficients(x: jax.Array, params: Params, config: Config):
     return h_pre.reshape(*lead, n), h_post.reshape(*lead, n), h_res.reshape(*lead, n, n)
 
 
+@names_its_errors("mhc.jax.reference.pre")
 def pre(x: jax.Array, params: Params, config: Config, carried: jax.Array | None = None):
     """layer_in [..., D] (x's dtype) and the Context for post.
 
@@ -100,6 +103,7 @@ def _mix(weights: jax.Array, x: jax.Array) -> jax.Array:
     return out.reshape(x.shape[:-2] + x.shape[-1:]).astype(x.dtype)
 
 
+@names_its_errors("mhc.jax.reference.collapse")
 def collapse(x: jax.Array, carried: jax.Array) -> jax.Array:
     """DeepSeek-V4.1's end of the model: h [..., D] = sum_k carried[..., k] x[..., k, :] (x's
     dtype), carried the last sublayer's h_pre [..., n] f32 (spec: Single-pass schedule)."""
@@ -107,6 +111,7 @@ def collapse(x: jax.Array, carried: jax.Array) -> jax.Array:
     return _mix(carried, x)
 
 
+@names_its_errors("mhc.jax.reference.post")
 def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     """out[..., j, d] = sum_i h_res[..., i, j] x[..., i, d] + h_post[..., j] layer_out[..., d]."""
     check_post_args(layer_out, ctx)
@@ -116,6 +121,7 @@ def post(layer_out: jax.Array, ctx: Context) -> jax.Array:
     return out.reshape(ctx.x.shape).astype(ctx.x.dtype)
 
 
+@names_its_errors("mhc.jax.reference.head")
 def head(x: jax.Array, params: HeadParams, config: Config) -> jax.Array:
     """DeepSeek-V4's head [..., D] (x's dtype): sum_k g_k x_k with
     g = sigmoid(scale * r * (x_flat . fn^T) + base) + pre_eps (spec: Head)."""

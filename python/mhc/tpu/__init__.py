@@ -10,7 +10,7 @@ backends' FFI target to a function taking the same operands in the same order,
 ``kernel(config, *operands, interpret=None)``, and returning the same results. The dispatch in
 mhc.jax reads it, so a kernel added here is used on a TPU with no other change."""
 
-from mhc.jax._types import HeadParams, Params
+from mhc._config import HeadParams, Params
 from mhc.tpu._boundary import (
     boundary_backward,
     boundary_backward_carried,

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mhc.jax._types import Config, HeadParams
+from mhc._config import Config, HeadParams
 from mhc.tpu import _layout, _pre, _pre_backward
 
 _F32 = jnp.float32

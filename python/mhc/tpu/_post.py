@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mhc.jax._types import Config
+from mhc._config import Config
 from mhc.tpu import _layout
 
 _F32 = jnp.float32

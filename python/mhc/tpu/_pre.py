@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mhc.jax._types import Config, Params
+from mhc._config import Config, Params
 from mhc.tpu import _layout
 
 _F32 = jnp.float32

@@ -26,16 +26,40 @@ from __future__ import annotations
 
 import contextlib
 
-from mhc.jax import _kernels
+from jax._src import config as jax_config  # State: the switch in JAX's jit and trace cache keys
+
+# The switch, read by mhc.jax's dispatch (never on by default): while it holds Pallas interpret
+# parameters, the CPU lowering dispatches as a TPU would, to mhc.tpu.KERNELS run in the TPU
+# interpreter with these parameters, and raises the TPU's errors for what has no TPU kernel. It
+# lives here, not in mhc.jax, so that mhc.tpu never imports mhc.jax (mhc.jax imports mhc.tpu).
+# A module global, not a thread-local: XLA calls the partitioning rules back while it compiles.
+interpret_params = None
+# The same value as a JAX config state in the jit and trace cache keys (the global value, which
+# every thread reads): a function compiled with the switch off is traced and compiled again with
+# it on, and the reverse, so neither runs the other's kernels; JAX keeps both compilations, and
+# nothing else is recompiled (tests/python/test_tpu_dispatch.py holds it to both directions).
+_interpret_params_key = jax_config.State(
+    "mhc_interpret_on_cpu",
+    None,
+    "mhc.tpu.testing.interpret_on_cpu's switch, in JAX's cache keys",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def _set_interpret_params(interpret) -> None:
+    global interpret_params
+    interpret_params = interpret
+    _interpret_params_key.set_global(interpret)
 
 
 @contextlib.contextmanager
 def interpret_on_cpu():
     """Test only: the CPU lowering runs the TPU kernels in Pallas's interpreter (module docstring)."""
-    if _kernels._interpret_on_cpu is not None:
+    if interpret_params is not None:
         raise RuntimeError("interpret_on_cpu: already on (it does not nest)")
-    _kernels._set_interpret_on_cpu(True)
+    _set_interpret_params(True)
     try:
         yield
     finally:
-        _kernels._set_interpret_on_cpu(None)
+        _set_interpret_params(None)
