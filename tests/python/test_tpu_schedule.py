@@ -98,3 +98,12 @@ def test_mismatched_dumps_raise_naming_the_function():
     with pytest.raises(ValueError, match=r"step_schedule: the bundles have no loop"):
         straight = BUNDLES.replace("target = $region7", "target = $region12").replace("$region9", "$region12")
         _schedule.step_schedule(straight, UTILIZATION)
+
+
+def test_bench_tpu_estimate_runs_the_compile_script_with_its_arguments(capfd):
+    # python -m mhc.bench --tpu-estimate hands the rest to scripts/tpu_compile.py --estimate: an
+    # unknown kernel is that script's own error (nothing is compiled).
+    from mhc import bench
+
+    assert bench.main(["--tpu-estimate", "--kernels", "mhc_no_such_kernel"]) == 2
+    assert "--kernels: ['mhc_no_such_kernel'] not in mhc.tpu.KERNELS" in capfd.readouterr().err
