@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 import time
 
@@ -188,43 +189,43 @@ def main():
                 vmem, copies = _report(compiled.as_text(), args.tokens * args.n * d * size)
                 floor_us = _schedule.floor_us(spec_bytes, chip)
                 if args.estimate:
-                    estimates.append((chip, name, d, grid, floor_us, _schedule.kernel_dumps(dump, seen)))
+                    # Each row also goes to stderr at once: a long run stopped early keeps its rows.
+                    estimates.append(_estimate_row(chip, name, d, grid, floor_us, _schedule.kernel_dumps(dump, seen)))
+                    print(estimates[-1], file=sys.stderr, flush=True)
                 print(
                     f"| {chip} | {name.removeprefix('mhc_')} | {d} | {tile} | {seconds:.1f} | {vmem / 2**20:.1f} | "
                     f"{spec_bytes / 2**20:.1f} | {floor_us:.1f} | {copies} |",
                     flush=True,
                 )
     if args.estimate:
-        _print_estimates(estimates)
+        print(f"\n{ESTIMATE_HEADER}")
+        print("\n".join(estimates), flush=True)
         shutil.rmtree(dump, ignore_errors=True)
 
 
-def _print_estimates(estimates):
-    """The static estimate table: one row per kernel and chip (a kernel of several pallas_calls
-    sums them; each call's grid is the Mosaic module's, read in the same order)."""
-    print()
-    print(
-        "| chip | kernel | D | grid | bundles per step | est. us | floor us | ratio | spill stores per step "
-        "| fills per step | busiest units (share of slots) |"
+ESTIMATE_HEADER = (
+    "| chip | kernel | D | grid | bundles per step | est. us | floor us | ratio | spill stores per step "
+    "| fills per step | busiest units (share of slots) |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _estimate_row(chip: str, name: str, d: int, grid, floor_us: float, dumps) -> str:
+    """One row of the static estimate table (a kernel of several pallas_calls sums them, each at
+    the grid of the first Mosaic module)."""
+    if not dumps or grid is None:
+        return f"| {chip} | {name.removeprefix('mhc_')} | {d} | ? | no kernel dump found | | | | | | |"
+    steps = math.prod(grid)
+    schedules = [_schedule.step_schedule(bundles, utilization) for bundles, utilization in dumps]
+    estimate = sum(_schedule.estimate_us(step, steps, chip) for step in schedules)
+    busiest = ", ".join(f"{unit} {share:.0%}" for unit, share in schedules[0].busiest(3))
+    unknown = sum(step.unknown_trips for step in schedules)
+    note = f" ({unknown} inner loops counted once)" if unknown else ""
+    return (
+        f"| {chip} | {name.removeprefix('mhc_')} | {d} | {'x'.join(map(str, grid))} | "
+        f"{sum(step.bundles for step in schedules):,}{note} | {estimate:,.0f} | {floor_us:,.0f} | "
+        f"{estimate / floor_us:.1f}x | {sum(step.spill_stores for step in schedules):,} | "
+        f"{sum(step.fills for step in schedules):,} | {busiest} |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for chip, name, d, grid, floor_us, dumps in estimates:
-        if not dumps or grid is None:
-            print(f"| {chip} | {name.removeprefix('mhc_')} | {d} | ? | no kernel dump found | | | | | | |")
-            continue
-        steps = math.prod(grid)
-        schedules = [_schedule.step_schedule(bundles, utilization) for bundles, utilization in dumps]
-        estimate = sum(_schedule.estimate_us(step, steps, chip) for step in schedules)
-        busiest = ", ".join(f"{unit} {share:.0%}" for unit, share in schedules[0].busiest(3))
-        unknown = sum(step.unknown_trips for step in schedules)
-        note = f" ({unknown} inner loops counted once)" if unknown else ""
-        print(
-            f"| {chip} | {name.removeprefix('mhc_')} | {d} | {'x'.join(map(str, grid))} | "
-            f"{sum(step.bundles for step in schedules):,}{note} | {estimate:,.0f} | {floor_us:,.0f} | "
-            f"{estimate / floor_us:.1f}x | {sum(step.spill_stores for step in schedules):,} | "
-            f"{sum(step.fills for step in schedules):,} | {busiest} |",
-            flush=True,
-        )
 
 
 if __name__ == "__main__":
