@@ -21,6 +21,7 @@ compiled schedule").
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import os
 import re
@@ -154,18 +155,19 @@ def main():
     )
     args = parser.parse_args()
     dtype, config = jnp.dtype(args.dtype), mj.Config(n=args.n, mix=args.mix)
+    names = args.kernels or list(mhc.tpu.KERNELS)
+    unknown = sorted(set(names) - set(mhc.tpu.KERNELS) | set(names) - set(OPERATIONS))
+    if unknown:
+        parser.error(f"--kernels: {unknown} not in mhc.tpu.KERNELS with a known contract ({sorted(OPERATIONS)})")
     if args.estimate:
         # libtpu reads its flags once, when the first topology initializes it.
         dump = tempfile.mkdtemp(prefix="mhc-tpu-bundles-")
+        atexit.register(shutil.rmtree, dump, ignore_errors=True)  # also after an error
         os.environ["LIBTPU_INIT_ARGS"] = " ".join(
             filter(None, [os.environ.get("LIBTPU_INIT_ARGS"), _schedule.dump_flags(dump)])
         )
         seen: set[str] = set()
         estimates = []
-    names = args.kernels or list(mhc.tpu.KERNELS)
-    unknown = sorted(set(names) - set(mhc.tpu.KERNELS) | set(names) - set(OPERATIONS))
-    if unknown:
-        parser.error(f"--kernels: {unknown} not in mhc.tpu.KERNELS with a known contract ({sorted(OPERATIONS)})")
     size = dtype.itemsize
     print(f"n={args.n} T={args.tokens} {args.dtype} mix={args.mix} jax {jax.__version__}")
     print("| chip | kernel | D | token tile | compile s | VMEM reserved MiB | spec bytes MiB | floor us | x copies |")
@@ -200,7 +202,6 @@ def main():
     if args.estimate:
         print(f"\n{ESTIMATE_HEADER}")
         print("\n".join(estimates), flush=True)
-        shutil.rmtree(dump, ignore_errors=True)
 
 
 ESTIMATE_HEADER = (
