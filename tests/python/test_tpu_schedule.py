@@ -61,6 +61,9 @@ def test_find_loops_takes_backward_branches_with_their_exit_tests_and_skips_forw
         _schedule.Loop(first=2, last=9, trips=34),
         _schedule.Loop(first=4, last=5, trips=19),
     ]
+    # A branch without a predicate is read the same way.
+    unconditional = BUNDLES.replace("sbr.rel (!%p3) target = $region7", "sbr.rel target = $region7")
+    assert _schedule.Loop(first=2, last=9, trips=34) in _schedule.find_loops(_schedule.parse_bundles(unconditional))
 
 
 def test_step_schedule_expands_the_inner_loop_by_its_trips():

@@ -49,7 +49,7 @@ def dump_flags(directory: str | pathlib.Path) -> str:
 
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*>?\s*\{")
 _START_REGION = re.compile(r"Start region (\d+)")
-_BRANCH = re.compile(r"sbr\.rel \([^)]*\) target = \$region(\d+)")
+_BRANCH = re.compile(r"sbr\.rel (?:\([^)]*\) )?target = \$region(\d+)")
 # A program that is all one Mosaic kernel: every scheduled bundle belongs to a tpu_custom_call.
 _KERNEL_PROGRAM = re.compile(r"\(100\.00%\): %\S+ = [^\n]*custom_call_target=\"tpu_custom_call\"")
 _EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %\w+, (\d+) /\* loop exit test \*/")
