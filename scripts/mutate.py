@@ -606,6 +606,29 @@ MUTATIONS = (
         # n = 1 has no other stream: the one-hot at n = 3.
         python_tests=("tests/python/test_tpu_carried.py::test_collapse_matches_reference[3-1-37-float32-False]",),
     ),
+    Mutation(
+        "tpu_schedule_inner_loop_once",
+        "the TPU static estimate counts an inner loop of the grid step once instead of once per trip",
+        (Edit("python/mhc/tpu/_schedule.py", "count += trips * child_count", "count += child_count"),),
+        python=True,
+        python_tests=("tests/python/test_tpu_schedule.py::test_step_schedule_expands_the_inner_loop_by_its_trips",),
+    ),
+    Mutation(
+        "tpu_post_fixed_vmem_limit",
+        "the TPU post forward asks for a fixed 64 MiB VMEM limit instead of the chip's (two VMEM policies)",
+        (
+            Edit(
+                TPU_POST,
+                'compiler_params=_layout.compiler_params("parallel", "parallel"),',
+                'compiler_params=_layout.compiler_params("parallel", "parallel", capacity=2**26 * 8 // 7),',
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_names.py::"
+            "test_each_kernel_is_named_after_its_operation_and_tile_with_the_chips_vmem_limit[mhc_post_forward]",
+        ),
+    ),
 )
 
 

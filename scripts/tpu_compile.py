@@ -8,17 +8,26 @@ measured. Slow (tens of seconds to minutes per compile on 2 cores), so not part 
 tpu-compile (n = 4, D = 2048) and make tpu-compile-v4 (DeepSeek-V4's D = 4096 and 7168).
 
     python scripts/tpu_compile.py [--chips v5e v6e] [--n 4] [--d 2048 ...] [--tokens 4096]
-        [--dtype bfloat16] [--kernels mhc_pre_forward ...]
+        [--dtype bfloat16] [--mix sinkhorn] [--kernels mhc_pre_forward ...] [--estimate]
 
 Every operation of mhc.tpu.KERNELS is compiled (OPERATIONS gives its operands and spec bytes); the
-token tile is read back from the Mosaic kernel's grid.
+token tile is read back from the Mosaic kernel's grid. With --estimate, libtpu also dumps each
+kernel's final bundles and a second table gives the static time estimate by the compiled schedule
+(mhc.tpu._schedule: the grid loop's bundles per step x grid steps / clock) against the floor, the
+ratio, the spill stores and fills per grid step and the busiest units (docs/tpu.md, "Speed by the
+compiled schedule").
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import math
 import os
 import re
+import shutil
+import sys
+import tempfile
 import time
 
 # libtpu takes a lock file (/tmp/libtpu_lockfile) meant to keep two processes off one TPU; a
@@ -31,9 +40,7 @@ from jax.experimental import topologies  # noqa: E402
 
 import mhc.jax as mj  # noqa: E402
 import mhc.tpu  # noqa: E402
-
-# HBM bandwidth per chip, bytes/s (Google Cloud's published TPU specifications).
-HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1640e9}
+from mhc.tpu import _schedule  # noqa: E402
 
 # Per operation of mhc.tpu.KERNELS: its operands in the C++ contract's order (x [T, n, D] and
 # the like in the activation dtype, "features" [T, D] in it too, "gates" [T, n] and "mix"
@@ -87,11 +94,11 @@ def _operands(kinds, config: mj.Config, d: int, t: int, dtype, sharding):
     return [s for kind in kinds for s in shapes[kind]]
 
 
-def _grid_steps(lowered_text: str) -> int | None:
-    """The token grid's length, read from the Mosaic kernel's iteration bounds in the lowered
-    module (the tile is T over it), or None if it is not found."""
-    match = re.search(r"iteration_bounds = array<i64: (\d+)", lowered_text)
-    return int(match.group(1)) if match else None
+def _grid(lowered_text: str) -> list[int] | None:
+    """The Mosaic kernel's grid, read from its iteration bounds in the lowered module (the first
+    axis is the token tiles: the tile is T over it), or None if it is not found."""
+    match = re.search(r"iteration_bounds = array<i64: ([\d, ]+)>", lowered_text)
+    return [int(v) for v in match.group(1).split(",")] if match else None
 
 
 def _report(compiled_text: str, x_bytes: int):
@@ -136,20 +143,33 @@ def _mosaic_text(lowered_text: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--chips", nargs="+", default=["v5e", "v6e"], choices=sorted(HBM_BANDWIDTH))
+    parser.add_argument("--chips", nargs="+", default=["v5e", "v6e"], choices=sorted(_schedule.CHIPS))
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--d", type=int, nargs="+", default=[2048])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--mix", default="sinkhorn", choices=["sinkhorn", "permutations"])
     parser.add_argument("--kernels", nargs="+", default=None, help="names in mhc.tpu.KERNELS (default: all of them)")
+    parser.add_argument(
+        "--estimate", action="store_true", help="dump the final bundles and add the static time estimate per kernel"
+    )
     args = parser.parse_args()
-    dtype, config = jnp.dtype(args.dtype), mj.Config(n=args.n)
+    dtype, config = jnp.dtype(args.dtype), mj.Config(n=args.n, mix=args.mix)
     names = args.kernels or list(mhc.tpu.KERNELS)
     unknown = sorted(set(names) - set(mhc.tpu.KERNELS) | set(names) - set(OPERATIONS))
     if unknown:
         parser.error(f"--kernels: {unknown} not in mhc.tpu.KERNELS with a known contract ({sorted(OPERATIONS)})")
+    if args.estimate:
+        # libtpu reads its flags once, when the first topology initializes it.
+        dump = tempfile.mkdtemp(prefix="mhc-tpu-bundles-")
+        atexit.register(shutil.rmtree, dump, ignore_errors=True)  # also after an error
+        os.environ["LIBTPU_INIT_ARGS"] = " ".join(
+            filter(None, [os.environ.get("LIBTPU_INIT_ARGS"), _schedule.dump_flags(dump)])
+        )
+        seen: set[str] = set()
+        estimates = []
     size = dtype.itemsize
-    print(f"n={args.n} T={args.tokens} {args.dtype} jax {jax.__version__}")
+    print(f"n={args.n} T={args.tokens} {args.dtype} mix={args.mix} jax {jax.__version__}")
     print("| chip | kernel | D | token tile | compile s | VMEM reserved MiB | spec bytes MiB | floor us | x copies |")
     print("|---|---|---|---|---|---|---|---|---|")
     for d in args.d:
@@ -165,16 +185,48 @@ def main():
                     lowered = function.trace(*structs).lower()
                     compiled = lowered.compile()
                 seconds = time.perf_counter() - start
-                steps = _grid_steps(_mosaic_text(lowered.as_text()))
-                tile = -(-args.tokens // steps) if steps else "?"
+                grid = _grid(_mosaic_text(lowered.as_text()))
+                tile = -(-args.tokens // grid[0]) if grid else "?"
                 spec_bytes = args.tokens * units(args.n) * d * size
                 vmem, copies = _report(compiled.as_text(), args.tokens * args.n * d * size)
-                floor_us = spec_bytes / HBM_BANDWIDTH[chip] * 1e6
+                floor_us = _schedule.floor_us(spec_bytes, chip)
+                if args.estimate:
+                    # Each row also goes to stderr at once: a long run stopped early keeps its rows.
+                    estimates.append(_estimate_row(chip, name, d, grid, floor_us, _schedule.kernel_dumps(dump, seen)))
+                    print(estimates[-1], file=sys.stderr, flush=True)
                 print(
                     f"| {chip} | {name.removeprefix('mhc_')} | {d} | {tile} | {seconds:.1f} | {vmem / 2**20:.1f} | "
                     f"{spec_bytes / 2**20:.1f} | {floor_us:.1f} | {copies} |",
                     flush=True,
                 )
+    if args.estimate:
+        print(f"\n{ESTIMATE_HEADER}")
+        print("\n".join(estimates), flush=True)
+
+
+ESTIMATE_HEADER = (
+    "| chip | kernel | D | grid | bundles per step | est. us | floor us | ratio | spill stores per step "
+    "| fills per step | busiest units (share of slots) |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def _estimate_row(chip: str, name: str, d: int, grid, floor_us: float, dumps) -> str:
+    """One row of the static estimate table (a kernel of several pallas_calls sums them, each at
+    the grid of the first Mosaic module)."""
+    if not dumps or grid is None:
+        return f"| {chip} | {name.removeprefix('mhc_')} | {d} | ? | no kernel dump found | | | | | | |"
+    steps = math.prod(grid)
+    schedules = [_schedule.step_schedule(bundles, utilization) for bundles, utilization in dumps]
+    estimate = sum(_schedule.estimate_us(step, steps, chip) for step in schedules)
+    busiest = ", ".join(f"{unit} {share:.0%}" for unit, share in schedules[0].busiest(3))
+    unknown = sum(step.unknown_trips for step in schedules)
+    note = f" ({unknown} inner loops counted once)" if unknown else ""
+    return (
+        f"| {chip} | {name.removeprefix('mhc_')} | {d} | {'x'.join(map(str, grid))} | "
+        f"{sum(step.bundles for step in schedules):,}{note} | {estimate:,.0f} | {floor_us:,.0f} | "
+        f"{estimate / floor_us:.1f}x | {sum(step.spill_stores for step in schedules):,} | "
+        f"{sum(step.fills for step in schedules):,} | {busiest} |"
+    )
 
 
 if __name__ == "__main__":

@@ -26,6 +26,12 @@ this order), and the table shows both kernel and plain times side by side; ``def
     python -m mhc.bench --allocator tuned        # only after mhc.tune_allocator() (default: both)
     python -m mhc.bench --json results.json
     python -m mhc.bench --touch-memory 16        # first on a freshly booted VM (see touch_memory)
+    python -m mhc.bench --tpu-estimate [ARGS]    # the TPU kernels' static time estimate (no TPU needed)
+
+``--tpu-estimate`` measures nothing on this host: it runs the source tree's
+``scripts/tpu_compile.py --estimate`` (the remaining arguments are that script's, e.g. ``--chips v6e
+--mix permutations``), which compiles each mhc.tpu kernel for v5e and v6e and prices its compiled
+schedule against the HBM floor (docs/tpu.md, "Speed by the compiled schedule").
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 OPS = (
     "pre_forward",
@@ -710,7 +717,19 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _tpu_estimate(arguments: list[str]) -> int:
+    """--tpu-estimate: scripts/tpu_compile.py --estimate of the source tree this module is in."""
+    script = Path(__file__).resolve().parents[2] / "scripts" / "tpu_compile.py"
+    if not script.is_file():
+        print(f"python -m mhc.bench --tpu-estimate: needs the source tree's {script} (not installed)", file=sys.stderr)
+        return 2
+    return subprocess.run([sys.executable, str(script), "--estimate", *arguments], check=False).returncode
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--tpu-estimate"]:
+        return _tpu_estimate(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mhc.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--table",

@@ -35,3 +35,34 @@ def test_post_kernels_compile_for_v5e_and_v6e_and_fit_vmem():
         assert d == "2048"
         assert 0 < float(vmem_mib) < CHIP_VMEM_MIB[chip], result.stdout  # the compiler reserved VMEM, under the chip's
         assert copies == "0", result.stdout  # no x-sized relayout around the kernel
+
+
+def test_static_estimate_of_the_post_forward_from_its_compiled_bundles():
+    # scripts/tpu_compile.py --estimate: libtpu's final-bundle dumps of a real compile read by
+    # mhc.tpu._schedule (its parser is tested on a fixed sample in test_tpu_schedule.py).
+    import mhc.tpu
+    from mhc.tpu import _schedule
+
+    command = [sys.executable, str(SCRIPT), "--chips", "v5e", "--kernels", "mhc_post_forward", "--estimate"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (row,) = [
+        line.split("|")[1:-1]
+        for line in result.stdout.splitlines()
+        if re.match(r"\| v5e \| post_forward \| 2048 \| \d+x", line)
+    ]
+    chip, _, _, grid, bundles, estimate, floor, ratio, spills, fills, busiest = (cell.strip() for cell in row)
+    steps = 1
+    for axis in grid.split("x"):
+        steps *= int(axis)
+    bundles, spills, fills = (int(value.replace(",", "")) for value in (bundles, spills, fills))
+    assert steps >= 4096 // max(mhc.tpu.TOKEN_TILES)  # at least the token tiles
+    assert bundles > 0 and spills >= 0 and fills >= 0
+    assert float(estimate.replace(",", "")) == pytest.approx(
+        bundles * steps / _schedule.CHIPS[chip]["clock_hz"] * 1e6, abs=0.5
+    )
+    assert float(floor.replace(",", "")) == pytest.approx(4096 * 9 * 2048 * 2 / 819e9 * 1e6, abs=0.5)
+    assert float(ratio.removesuffix("x")) == pytest.approx(
+        float(estimate.replace(",", "")) / float(floor.replace(",", "")), abs=0.06
+    )
+    assert re.fullmatch(r"(\w+ \d+%, ){2}\w+ \d+%", busiest), busiest

@@ -152,7 +152,8 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
             jax.ShapeDtypeStruct((t, padded), x.dtype),
             coefficient_shape,
         ],
-        compiler_params=_pre.compiler_params(),
+        name=_layout.kernel_name("boundary_forward_carried" if carried else "boundary_forward", tile),
+        compiler_params=_layout.compiler_params("parallel"),
         # Spec: Boundary, (2n + 2) D e per token (x and layer_out read, x_next and layer_in
         # written), plus the coefficients of l read and of l+1 written.
         cost_estimate=pl.CostEstimate(
@@ -165,7 +166,13 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
             ),
         ),
         interpret=interpret if interpret is not None else False,
-    )(_post._padded(x, padded), _post._padded(layer_out, padded), h_post, h_res.reshape(t, n * n), *parameters)
+    )(
+        _layout.pad_features(x, padded),
+        _layout.pad_features(layer_out, padded),
+        h_post,
+        h_res.reshape(t, n * n),
+        *parameters,
+    )
     return (x_next[:, :, :d], layer_in[:, :d], *_pre.split_coefficients(config, coefficients, t))
 
 
@@ -428,10 +435,8 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
         scratch_shapes=scratch,
         # Both axes sequential: the parameter gradients accumulate over the tiles in order, dh_post
         # and dh_res over the chunks.
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"),
-            vmem_limit_bytes=_layout.vmem_limit(_layout.chip_vmem()),
-        ),
+        name=_layout.kernel_name("boundary_backward_carried" if carried else "boundary_backward", tile),
+        compiler_params=_layout.compiler_params("arbitrary", "arbitrary"),
         # Spec: Boundary, (3n + 3) D e per token (x, layer_out, dx_partial of l+1, dlayer_in read;
         # dx_partial, dlayer_out written), plus the coefficients and the parameters and their
         # gradients.
@@ -447,11 +452,11 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
         ),
         interpret=interpret if interpret is not None else False,
     )(
-        _post._padded(dlayer_in, padded),
-        _post._padded(dx_partial_next, padded),
+        _layout.pad_features(dlayer_in, padded),
+        _layout.pad_features(dx_partial_next, padded),
         dh_next,
-        _post._padded(x, padded),
-        _post._padded(layer_out, padded),
+        _layout.pad_features(x, padded),
+        _layout.pad_features(layer_out, padded),
         h_post,
         h_res.reshape(t, n * n),
         *parameters,

@@ -19,7 +19,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from mhc._config import Config
 from mhc.tpu import _layout, _post, _pre
@@ -60,8 +59,7 @@ def _check(operation: str, config: Config, x, carried, tile):
     t, n, d = x.shape if x.ndim == 3 else (None, None, None)
     if x.ndim != 3 or n != config.n:
         raise ValueError(f"mhc.tpu.{operation}: x: expected [T, n = {config.n}, D], got shape {x.shape}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"mhc.tpu.{operation}: x: expected float32 or bfloat16, got {x.dtype}")
+    _layout.check_activation(f"mhc.tpu.{operation}", "x", x)
     _pre.check_carried(f"mhc.tpu.{operation}", carried, t, n)
     _pre.check_tile(operation, tile)
 
@@ -104,7 +102,7 @@ def collapse_forward(config: Config, x, carried, *, tile: int | None = None, int
     tile = tile or token_tile(config, d, x.dtype, backward=False)
     padded, grid, streams, features, mix = _blocks(t, n, d, tile)
     one_hot = carried.shape[1] == 0
-    operands = [_post._padded(x, padded)] + ([] if one_hot else [_pre.carried_lanes(config, carried, tile)])
+    operands = [_layout.pad_features(x, padded)] + ([] if one_hot else [_pre.carried_lanes(config, carried, tile)])
     size = x.dtype.itemsize
     out = pl.pallas_call(
         functools.partial(_forward_kernel, n=n, one_hot=one_hot),
@@ -112,9 +110,8 @@ def collapse_forward(config: Config, x, carried, *, tile: int | None = None, int
         in_specs=[streams] + ([] if one_hot else [mix]),
         out_specs=features,
         out_shape=jax.ShapeDtypeStruct((t, padded), x.dtype),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel"), vmem_limit_bytes=_layout.VMEM_LIMIT
-        ),
+        name=_layout.kernel_name("collapse_forward", tile),
+        compiler_params=_layout.compiler_params("parallel", "parallel"),
         # x read and out written: (n + 1) D e per token, plus the carried mix.
         cost_estimate=pl.CostEstimate(
             flops=int(2 * t * n * padded),
@@ -146,11 +143,11 @@ def collapse_backward(config: Config, dout, x, carried, *, tile: int | None = No
     tile = tile or token_tile(config, d, x.dtype, backward=True)
     padded, grid, streams, features, mix = _blocks(t, n, d, tile)
     # The one-hot's dx needs no x.
-    operands = [_post._padded(dout, padded)]
+    operands = [_layout.pad_features(dout, padded)]
     out_shape = [jax.ShapeDtypeStruct((t, n, padded), x.dtype)]
     if not one_hot:
         lanes = _pre.carried_lanes(config, carried, tile)
-        operands += [_post._padded(x, padded), lanes]
+        operands += [_layout.pad_features(x, padded), lanes]
         out_shape.append(jax.ShapeDtypeStruct(lanes.shape, _F32))
     size = x.dtype.itemsize
     dx, *dcarried = pl.pallas_call(
@@ -160,9 +157,8 @@ def collapse_backward(config: Config, dout, x, carried, *, tile: int | None = No
         out_specs=[streams] + ([] if one_hot else [mix]),
         out_shape=out_shape,
         # dcarried adds over the chunks in order.
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=_layout.VMEM_LIMIT
-        ),
+        name=_layout.kernel_name("collapse_backward", tile),
+        compiler_params=_layout.compiler_params("parallel", "arbitrary"),
         # dout and x read, dx written: (2n + 1) D e per token (the one-hot reads no x: (n + 1) D e),
         # plus the carried mix and dcarried.
         cost_estimate=pl.CostEstimate(

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from mhc._config import Config, HeadParams
 from mhc.tpu import _layout, _pre, _pre_backward
@@ -29,8 +28,7 @@ _F32 = jnp.float32
 def _check(operation: str, config: Config, x, head: HeadParams, tile):
     if x.ndim != 3 or x.shape[1] != config.n:
         raise ValueError(f"mhc.tpu.{operation}: x: expected [T, n = {config.n}, D], got shape {x.shape}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"mhc.tpu.{operation}: x: expected float32 or bfloat16, got {x.dtype}")
+    _layout.check_activation(f"mhc.tpu.{operation}", "x", x)
     n, m = config.n, config.n * x.shape[2]
     for name, value, shape in zip(HeadParams._fields, head, ((n, m), (n,), (1,)), strict=True):
         if np.shape(value) != shape:
@@ -118,9 +116,8 @@ def head_forward(config: Config, x, head: HeadParams, *, tile: int | None = None
             jax.ShapeDtypeStruct((t, padded), x.dtype),
             jax.ShapeDtypeStruct((tiles, g, tile), _F32),
         ],
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",), vmem_limit_bytes=_layout.vmem_limit(_layout.chip_vmem())
-        ),
+        name=_layout.kernel_name("head_forward", tile),
+        compiler_params=_layout.compiler_params("parallel"),
         # Spec, Minimum memory traffic (as the pre forward): read n D, write D per token.
         cost_estimate=pl.CostEstimate(
             flops=int(t * 2 * n * padded * (g + _layout.SUBLANES + 1)),

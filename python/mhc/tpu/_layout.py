@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128
 SUBLANES = 8
@@ -34,15 +35,14 @@ SUBLANES = 8
 TOKEN_TILES = (512, 256, 128, 64, 32)
 # The post kernels' largest feature chunk (lanes).
 FEATURE_CHUNK_LANES = 512
-# VMEM the plan may fill (the compiler gets VMEM_LIMIT, the rest is its own headroom). v5e and
-# v6e have 128 MiB of VMEM per core, v7x 64 MiB: 48 MiB fits all three.
-VMEM_BUDGET = 48 * 2**20
-VMEM_LIMIT = 64 * 2**20
 # VMEM per core by jax's device_kind: v5e and v6e 128 MiB, v7x 64 MiB (Google Cloud's TPU
-# specifications). Other chips (v4, v5p, unknown, or no TPU: the interpreter) get the 64 MiB the
-# budget above assumes.
+# specifications). Other chips (v4, v5p, unknown, or no TPU: the interpreter) get DEFAULT_VMEM, the
+# smallest of them. Every kernel's plan and compiler limit derive from it (vmem_budget, vmem_limit):
+# one policy, the chip's.
 VMEM_BY_DEVICE_KIND = {"TPU v5 lite": 128 * 2**20, "TPU v6 lite": 128 * 2**20, "TPU7x": 64 * 2**20}
 DEFAULT_VMEM = 64 * 2**20
+# The activation dtypes the kernels take (x, layer_out and the cotangents of the same shapes).
+ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -109,9 +109,38 @@ def vmem_limit(capacity: int) -> int:
     return capacity * 7 // 8
 
 
-def choose_token_tile(operation: str, per_token_bytes: int, fixed_bytes: int, budget: int = VMEM_BUDGET) -> int:
-    """The largest tile of TOKEN_TILES whose VMEM estimate fits `budget`; a clear error when
-    even the smallest does not (the kernels keep one token tile of every stream resident)."""
+def compiler_params(*dimension_semantics: str, capacity: int | None = None):
+    """Mosaic's parameters for a grid of these axes ("parallel", or "arbitrary" where an output
+    accumulates over the axis): the scoped VMEM limit of the chip traced for (or of `capacity`)."""
+    return pltpu.CompilerParams(
+        dimension_semantics=dimension_semantics, vmem_limit_bytes=vmem_limit(capacity or chip_vmem())
+    )
+
+
+def kernel_name(operation: str, tile: int) -> str:
+    """The pallas_call's name (pallas_call's `name=`): what a TPU profile, the HLO and libtpu's
+    dumps call the kernel, e.g. mhc_post_forward_tile512."""
+    return f"mhc_{operation}_tile{tile}"
+
+
+def check_activation(operation: str, name: str, value) -> None:
+    """A ValueError naming `operation` (e.g. "mhc.tpu.pre_forward") and the argument unless
+    `value` is float32 or bfloat16."""
+    if value.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"{operation}: {name}: expected float32 or bfloat16, got {value.dtype}")
+
+
+def pad_features(a, padded: int):
+    """a with its last axis (the features) zero-padded to `padded` lanes (Dp): a copy in HBM
+    unless D is already a multiple of 128 (then jnp.pad is the identity and costs nothing)."""
+    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padded - a.shape[-1])])
+
+
+def choose_token_tile(operation: str, per_token_bytes: int, fixed_bytes: int, budget: int | None = None) -> int:
+    """The largest tile of TOKEN_TILES whose VMEM estimate fits `budget` (default: the plan's
+    share of the chip traced for, vmem_budget); a clear error when even the smallest does not
+    (the kernels keep one token tile of every stream resident)."""
+    budget = budget or vmem_budget(chip_vmem())
     for tile in TOKEN_TILES:
         if tile * per_token_bytes + fixed_bytes <= budget:
             return tile

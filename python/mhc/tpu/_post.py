@@ -18,7 +18,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from mhc._config import Config
 from mhc.tpu import _layout
@@ -103,21 +102,9 @@ def _check(operation: str, config: Config, x, layer_out, h_post, h_res, tile):
         if value.shape != shape:
             raise ValueError(f"mhc.tpu.{operation}: {name}: expected shape {shape}, got {value.shape}")
     for name, value in (("x", x), ("layer_out", layer_out)):
-        if value.dtype not in (jnp.float32, jnp.bfloat16):
-            raise ValueError(f"mhc.tpu.{operation}: {name}: expected float32 or bfloat16, got {value.dtype}")
+        _layout.check_activation(f"mhc.tpu.{operation}", name, value)
     if tile is not None and tile not in _layout.TOKEN_TILES:
         raise ValueError(f"mhc.tpu.{operation}: tile: expected one of {_layout.TOKEN_TILES}, got {tile!r}")
-
-
-def _padded(a, padded: int):
-    """a with its last axis (the features) zero-padded to `padded`."""
-    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padded - a.shape[-1])])
-
-
-def _compiler_params(chunks: str):
-    """Token tiles in parallel; the feature chunks `chunks` ("parallel", or "arbitrary" where an
-    output accumulates over them)."""
-    return pltpu.CompilerParams(dimension_semantics=("parallel", chunks), vmem_limit_bytes=_layout.VMEM_LIMIT)
 
 
 class _Blocks(NamedTuple):
@@ -170,14 +157,15 @@ def post_forward(config: Config, x, layer_out, h_post, h_res, *, tile: int | Non
         in_specs=[b.streams, b.features, b.h_post, b.h_res],
         out_specs=b.streams,
         out_shape=jax.ShapeDtypeStruct((t, n, padded), x.dtype),
-        compiler_params=_compiler_params("parallel"),
+        name=_layout.kernel_name("post_forward", tile),
+        compiler_params=_layout.compiler_params("parallel", "parallel"),
         cost_estimate=pl.CostEstimate(
             flops=int(2 * t * n * (n + 1) * padded),
             transcendentals=0,
             bytes_accessed=int(t * padded * (2 * n * size + lo_size) + t * (n + n * n) * 4),
         ),
         interpret=interpret if interpret is not None else False,
-    )(_padded(x, padded), _padded(layer_out, padded), h_post, h_res.reshape(t, n * n))
+    )(_layout.pad_features(x, padded), _layout.pad_features(layer_out, padded), h_post, h_res.reshape(t, n * n))
     return out[:, :, :d]
 
 
@@ -228,12 +216,20 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
             jax.ShapeDtypeStruct((t, n), _F32),
             jax.ShapeDtypeStruct((t, n * n), _F32),
         ],
-        compiler_params=_compiler_params("arbitrary"),
+        name=_layout.kernel_name("post_backward", tile),
+        # dh_post and dh_res add over the feature chunks in order.
+        compiler_params=_layout.compiler_params("parallel", "arbitrary"),
         cost_estimate=pl.CostEstimate(
             flops=int(4 * t * n * (n + 1) * padded),
             transcendentals=0,
             bytes_accessed=int(t * padded * (3 * n * size + 2 * lo_size) + 2 * t * (n + n * n) * 4),
         ),
         interpret=interpret if interpret is not None else False,
-    )(_padded(g, padded), _padded(x, padded), _padded(layer_out, padded), h_post, h_res.reshape(t, n * n))
+    )(
+        _layout.pad_features(g, padded),
+        _layout.pad_features(x, padded),
+        _layout.pad_features(layer_out, padded),
+        h_post,
+        h_res.reshape(t, n * n),
+    )
     return dx[:, :, :d], dlayer_out[:, :d], dh_post, dh_res.reshape(t, n, n)

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from mhc._config import Config, Params
 from mhc.tpu import _layout
@@ -268,21 +267,13 @@ def _budget(capacity: int | None) -> int:
     return _layout.vmem_budget(capacity or _layout.chip_vmem())
 
 
-def compiler_params(capacity: int | None = None):
-    """One "parallel" token grid; the scoped VMEM limit of the chip traced for."""
-    return pltpu.CompilerParams(
-        dimension_semantics=("parallel",), vmem_limit_bytes=_layout.vmem_limit(capacity or _layout.chip_vmem())
-    )
-
-
 def check_params(operation: str, config: Config, x, params: Params):
     """x [T, n, D] f32/bf16 and Params of that n D and the config's projection width, or a
     ValueError naming the argument."""
     t, n, d = x.shape
     if n != config.n:
         raise ValueError(f"mhc.tpu.{operation}: x: expected n = {config.n} streams (axis 1), got shape {x.shape}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"mhc.tpu.{operation}: x: expected float32 or bfloat16, got {x.dtype}")
+    _layout.check_activation(f"mhc.tpu.{operation}", "x", x)
     m, width = n * d, config.projection_width
     for name, value, shape in zip(Params._fields, params, ((m,), (m, width), (3,), (width,)), strict=True):
         if np.shape(value) != shape:
@@ -393,7 +384,7 @@ def run(config: Config, x, params: Params, carried, *, tile: int | None, interpr
     parameters, parameter_specs = parameter_operands(config, params, d)
     coefficient_spec, coefficient_shape = coefficient_output(config, t, tile)
     flops, transcendentals, coefficient_bytes = coefficient_cost(config, t, padded)
-    operands = [jnp.pad(x, ((0, 0), (0, 0), (0, padded - d)))]
+    operands = [_layout.pad_features(x, padded)]
     in_specs = [pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0))]
     if mode == CARRIED:
         operands.append(carried_lanes(config, carried, tile))
@@ -404,7 +395,8 @@ def run(config: Config, x, params: Params, carried, *, tile: int | None, interpr
         in_specs=[*in_specs, *parameter_specs],
         out_specs=[pl.BlockSpec((tile, padded), lambda i: (i, 0)), coefficient_spec],
         out_shape=[jax.ShapeDtypeStruct((t, padded), x.dtype), coefficient_shape],
-        compiler_params=compiler_params(),
+        name=_layout.kernel_name("pre_forward" if mode == OWN_GATES else "pre_forward_carried", tile),
+        compiler_params=_layout.compiler_params("parallel"),
         # Spec: Minimum memory traffic, (n + 1) D e per token, plus the coefficients (and V4.1's
         # carried mix, 4 n bytes).
         cost_estimate=pl.CostEstimate(

@@ -266,8 +266,7 @@ def _check(operation: str, config: Config, cotangents, x, params: Params, tile):
     """cotangents: (name, value, shape as a function of (T, n, D), dtype or None for x's)."""
     if x.ndim != 3 or x.shape[1] != config.n:
         raise ValueError(f"{operation}: x: expected [T, n = {config.n}, D], got shape {x.shape}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"{operation}: x: expected float32 or bfloat16, got {x.dtype}")
+    _layout.check_activation(operation, "x", x)
     t, n, d = x.shape
     for name, value, shape_of, dtype in cotangents:
         shape, dtype = shape_of(t, n, d), dtype or x.dtype
@@ -326,12 +325,12 @@ def run(
     # The parameters' blocks never change: fetched once, single-buffered.
     once = pl.Buffered(buffer_count=1)
     streams = pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c))
-    operands = [_padded(dlayer_in, padded)]
+    operands = [_layout.pad_features(dlayer_in, padded)]
     in_specs = [pl.BlockSpec((tile, padded), lambda i, c: (i, 0))]
     if not gates_only:
-        operands += [_padded(dx_partial, padded), dh]
+        operands += [_layout.pad_features(dx_partial, padded), dh]
         in_specs += [streams, pl.BlockSpec((None, dh.shape[1], tile), lambda i, c: (i, 0, 0))]
-    operands += [_padded(x, padded), weight, scale, bias]
+    operands += [_layout.pad_features(x, padded), weight, scale, bias]
     in_specs += [
         pl.BlockSpec((tile, n, padded), lambda i, c: (i, 0, 0)),
         pl.BlockSpec(weight.shape, whole, pipeline_mode=once),
@@ -422,22 +421,21 @@ def run(
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
-        # Both axes sequential: the parameter gradients accumulate over the tiles in order.
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary"),
-            vmem_limit_bytes=_layout.vmem_limit(_layout.chip_vmem()),
+        # The head's backward has no dh; V4.1's carried pre backward a carried mix.
+        name=_layout.kernel_name(
+            "head_backward"
+            if gates_only
+            else ("pre_backward" if carried is _pre.OWN_GATES else "pre_backward_carried"),
+            tile,
         ),
+        # Both axes sequential: the parameter gradients accumulate over the tiles in order.
+        compiler_params=_layout.compiler_params("arbitrary", "arbitrary"),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
     )(*operands)
     # dcarried: [token tiles, G, tile] -> [T, n].
     dcarried = _layout.tokens_from_lanes(dcarried[0], t, n) if with_carried else None
     return dx[:, :, :d], dcarried, gram, dbias[:, 0], dalpha[:, 0]
-
-
-def _padded(a, padded: int):
-    """a with its last axis (the features) zero-padded to `padded`."""
-    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padded - a.shape[-1])])
 
 
 def _logit_row_of_column(config: Config) -> np.ndarray:
