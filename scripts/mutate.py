@@ -503,6 +503,33 @@ MUTATIONS = (
         python_tests=(f"{TPU_TESTS}::test_post_forward_and_backward_match_reference[3-1-37-bfloat16]",),
     ),
     Mutation(
+        "tpu_post_pairs_ties_away",
+        "the TPU post forward's bf16 n = 4 kernel rounds ties away from zero instead of to even",
+        (
+            Edit(
+                TPU_POST,
+                "rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))",
+                "rounded = bits + jnp.uint32(0x8000)",
+            ),
+        ),
+        python=True,
+        # Random data hits a tie too rarely; the exact-tie test sees it.
+        python_tests=(f"{TPU_TESTS}::test_post_forward_rounds_ties_to_even[4]",),
+    ),
+    Mutation(
+        "tpu_post_pairs_stream_from_wrong_sublane",
+        "the TPU post forward's bf16 n = 4 kernel takes stream 2 for its even sublanes from the token before",
+        (
+            Edit(
+                TPU_POST,
+                "jnp.where(even, pltpu.roll(low_streams, height - 1, 0), low_streams)",
+                "jnp.where(even, pltpu.roll(low_streams, 1, 0), low_streams)",
+            ),
+        ),
+        python=True,
+        python_tests=(f"{TPU_TESTS}::test_post_forward_and_backward_match_reference[4-130-300-bfloat16]",),
+    ),
+    Mutation(
         "tpu_chunk_sum_overwritten",
         "the TPU post backward's dh_post keeps only the last feature chunk's sum (= instead of +=)",
         (Edit(TPU_POST, "dh_post_ref[...] += dh_post", "dh_post_ref[...] = dh_post"),),

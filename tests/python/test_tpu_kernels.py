@@ -52,6 +52,7 @@ PRE_CASES = [
 # n-dependent layout, only n unrolled streams (an n = 8 post case cost 14 s of CPU).
 POST_CASES = [
     (4, 130, 300, jnp.float32),
+    (4, 130, 300, jnp.bfloat16),  # post_forward's bf16 n = 4 kernel (_bf16_pairs_forward_kernel)
     (3, 1, 37, jnp.bfloat16),
     (4, 130, 0, jnp.float32),
     (1, 600, 37, jnp.float32),  # Dp = 640: five feature chunks, the backward's sums over D across them
@@ -205,6 +206,24 @@ def _mosaic_modules(module_text: str) -> list[str]:
             PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
             kernels.append(str(module))
     return kernels
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_post_forward_rounds_ties_to_even(n):
+    """bf16 out at exact ties (spec: Accuracy, round once to nearest even): x = 1 or 1 + 2^-7,
+    H_res = I, H_post = 2^-8, layer_out = 1 give 1 + 2^-8 (a tie: 1) and 1 + 2^-7 + 2^-8 (a tie:
+    1 + 2^-6), exact in f32. n = 4 is the packed-pairs kernel with its own rounding, n = 3 the
+    general one (astype)."""
+    t, d = 40, 256
+    odd = np.arange(d) % 2
+    x = jnp.asarray(np.broadcast_to(1.0 + odd * 2.0**-7, (t, n, d)), jnp.bfloat16)
+    layer_out = jnp.ones((t, d), jnp.bfloat16)
+    h_post = jnp.full((t, n), 2.0**-8, jnp.float32)
+    h_res = jnp.asarray(np.broadcast_to(np.eye(n), (t, n, n)), jnp.float32)
+    out = mhc.tpu.post_forward(mj.Config(n=n), x, layer_out, h_post, h_res, tile=32, interpret=INTERPRET)
+    _no_races()
+    want = np.broadcast_to(np.where(odd == 1, 1.0 + 2.0**-6, 1.0), (t, n, d))
+    np.testing.assert_array_equal(np.asarray(out, np.float64), want)
 
 
 @pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])

@@ -23,6 +23,11 @@ from mhc._config import Config
 from mhc.tpu import _layout
 
 _F32 = jnp.float32
+# _bf16_pairs_forward_kernel's loop: tokens per step (two f32 vregs of 8 sublanes per value, two
+# sublanes a token) and steps unrolled into one body (more independent work for the scheduler;
+# more spills beyond 2 in the v5e and v6e compiles).
+_PAIR_ROWS = 8
+_PAIR_UNROLL = 2
 
 
 def _stream(ref, k: int):
@@ -39,6 +44,81 @@ def _forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, out_ref, *, n: 
         for i in range(n):
             out += h_res[:, i * n + j : i * n + j + 1] * streams[i]
         out_ref[:, j, :] = out.astype(out_ref.dtype)
+
+
+def _bf16_pairs_forward_kernel(x_ref, layer_out_ref, mix_ref, out_ref, *, rows: int):
+    """post_forward's kernel for bf16 x and layer_out at n = 4, on x's own VMEM layout (the
+    general _forward_kernel relayouts each stream x[:, k, :], a sublane gather, and keeps whole
+    (tile, chunk) f32 values live: spills). A block [tile, 4, chunk] of bf16 sits in VMEM as one
+    (4, 128) tile per token and 128 lanes, two streams packed in each 32-bit sublane (streams 0
+    and 1, then 2 and 3): `rows` tokens by 128 lanes, viewed as uint32, are a dense [2 rows, 128]
+    value, so no relayout is needed. The low halves (streams 0 and 2 of token t, in sublanes 2t
+    and 2t + 1) and the high halves (streams 1 and 3) become f32 by a shift and a mask (exact);
+    each stream reaches its token's other sublane by a sublane rotation; the output streams 2h
+    and 2h + 1 of sublane 2t + h are rounded to bf16 (to nearest even, as astype) and packed
+    back. The loop streams `rows` tokens at a time through registers.
+    mix_ref [2 tile, 10] f32 (_bf16_pairs_mix): row 2t + h holds, at column 5p + i, the
+    coefficient of stream i in output stream 2h + p: H_res[t, i, 2h + p] for i < 4, H_post[t, 2h
+    + p] at i = 4. The same f32 products and sums in the same order as _forward_kernel, the same
+    rounding: the same bits."""
+    n, height = 4, 2 * rows
+    vreg, values = (_layout.SUBLANES, _layout.LANES), (height, _layout.LANES)
+    # (bit operations: Mosaic's integer division and remainder need the chip's kind to lower)
+    even = (jax.lax.broadcasted_iota(jnp.int32, values, 0) & 1) == 0
+    # layer_out's row of token t on both of its sublanes, a sublane gather per vreg: sublane r of
+    # output vreg v takes token 4 v + r // 2, row r // 2 + 4 (v % 2) of the f32 vreg that holds
+    # tokens 8 (v // 2) to 8 (v // 2) + 7.
+    gathers = [(jax.lax.broadcasted_iota(jnp.int32, vreg, 0) >> 1) + 4 * (v % 2) for v in range(height // 8)]
+    high = jnp.uint32(0xFFFF0000)
+
+    def row_group(group, carry):
+        first = pl.multiple_of(group * rows, rows)
+        tokens = pl.ds(first, rows)
+        mix = mix_ref[pl.ds(pl.multiple_of(first * 2, height), height), :]
+        columns = [jnp.broadcast_to(mix[:, c : c + 1], values) for c in range(2 * (n + 1))]
+        for lane_tile in range(x_ref.shape[2] // _layout.LANES):
+            lanes = pl.ds(lane_tile * _layout.LANES, _layout.LANES)
+            layer_out_rows = layer_out_ref[tokens, lanes].astype(_F32)
+            layer_out = jnp.concatenate(
+                [
+                    jnp.take_along_axis(layer_out_rows[8 * (v // 2) : 8 * (v // 2) + 8], g, axis=0)
+                    for v, g in enumerate(gathers)
+                ],
+                axis=0,
+            )
+            packed = pltpu.bitcast(x_ref[tokens, :, lanes].reshape(rows * n, _layout.LANES), jnp.uint32)
+            low_streams = pltpu.bitcast(packed << 16, _F32)  # stream 0 at sublane 2t, stream 2 at 2t + 1
+            high_streams = pltpu.bitcast(packed & high, _F32)  # streams 1 and 3
+            # stream i of token t on both of its sublanes
+            streams = [
+                jnp.where(even, low_streams, pltpu.roll(low_streams, 1, 0)),
+                jnp.where(even, high_streams, pltpu.roll(high_streams, 1, 0)),
+                jnp.where(even, pltpu.roll(low_streams, height - 1, 0), low_streams),
+                jnp.where(even, pltpu.roll(high_streams, height - 1, 0), high_streams),
+            ]
+            halves = []
+            for p in range(2):
+                # out_j = sum_i H_res[i, j] x_i + H_post[j] layer_out (spec: Forward step 8).
+                out = columns[p * (n + 1) + n] * layer_out
+                for i in range(n):
+                    out += columns[p * (n + 1) + i] * streams[i]
+                bits = pltpu.bitcast(out, jnp.uint32)
+                # round to nearest even at bit 16 (astype's rounding); a NaN stays a (quiet) NaN
+                rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+                halves.append(jnp.where(out != out, jnp.uint32(0x7FC00000), rounded) & high)
+            words = halves[1] | (halves[0] >> 16)
+            out_ref[tokens, :, lanes] = pltpu.bitcast(words, out_ref.dtype).reshape(rows, n, _layout.LANES)
+        return carry
+
+    jax.lax.fori_loop(0, x_ref.shape[0] // rows, row_group, 0, unroll=_PAIR_UNROLL)
+
+
+def _bf16_pairs_mix(h_post, h_res):
+    """_bf16_pairs_forward_kernel's mix_ref [2 T, 10] from h_post [T, 4] and h_res [T, 4, 4]."""
+    t, n = h_post.shape
+    coefficients = jnp.concatenate([h_res, h_post[:, None, :]], axis=1)  # [T, i, j]
+    by_output = jnp.swapaxes(coefficients, 1, 2).reshape(t, 2, 2, n + 1)  # [T, h, p, i], j = 2h + p
+    return by_output.reshape(2 * t, 2 * (n + 1))
 
 
 def _columns(values, width: int):
@@ -151,10 +231,18 @@ def post_forward(config: Config, x, layer_out, h_post, h_res, *, tile: int | Non
     b = _blocks(t, n, d, tile)
     padded = b.padded
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
+    if n == 4 and x.dtype == jnp.bfloat16 and layer_out.dtype == jnp.bfloat16:
+        kernel = functools.partial(_bf16_pairs_forward_kernel, rows=_PAIR_ROWS)
+        coefficient_specs = [pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda i, c: (i, 0))]
+        coefficients = [_bf16_pairs_mix(h_post, h_res)]
+    else:
+        kernel = functools.partial(_forward_kernel, n=n)
+        coefficient_specs = [b.h_post, b.h_res]
+        coefficients = [h_post, h_res.reshape(t, n * n)]
     out = pl.pallas_call(
-        functools.partial(_forward_kernel, n=n),
+        kernel,
         grid=b.grid,
-        in_specs=[b.streams, b.features, b.h_post, b.h_res],
+        in_specs=[b.streams, b.features, *coefficient_specs],
         out_specs=b.streams,
         out_shape=jax.ShapeDtypeStruct((t, n, padded), x.dtype),
         name=_layout.kernel_name("post_forward", tile),
@@ -165,7 +253,7 @@ def post_forward(config: Config, x, layer_out, h_post, h_res, *, tile: int | Non
             bytes_accessed=int(t * padded * (2 * n * size + lo_size) + t * (n + n * n) * 4),
         ),
         interpret=interpret if interpret is not None else False,
-    )(_layout.pad_features(x, padded), _layout.pad_features(layer_out, padded), h_post, h_res.reshape(t, n * n))
+    )(_layout.pad_features(x, padded), _layout.pad_features(layer_out, padded), *coefficients)
     return out[:, :, :d]
 
 
