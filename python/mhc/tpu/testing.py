@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 
-from jax._src import config as jax_config  # State: the switch in JAX's jit and trace cache keys
+from mhc._jax_internals import State  # the switch in JAX's jit and trace cache keys
 
 # The switch, read by mhc.jax's dispatch (never on by default): while it holds Pallas interpret
 # parameters, the CPU lowering dispatches as a TPU would, to mhc.tpu.KERNELS run in the TPU
@@ -38,7 +38,7 @@ interpret_params = None
 # every thread reads): a function compiled with the switch off is traced and compiled again with
 # it on, and the reverse, so neither runs the other's kernels; JAX keeps both compilations, and
 # nothing else is recompiled (tests/python/test_tpu_dispatch.py holds it to both directions).
-_interpret_params_key = jax_config.State(
+_interpret_params_key = State(
     "mhc_interpret_on_cpu",
     None,
     "mhc.tpu.testing.interpret_on_cpu's switch, in JAX's cache keys",

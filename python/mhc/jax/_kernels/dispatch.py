@@ -28,13 +28,13 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config  # _check_vma (_tpu_kernel_lowering)
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from mhc import _ffi
 from mhc._config import Config, Params
+from mhc._jax_internals import check_vma
 from mhc.jax._partitioning import Operation, Plan, apply
 
 _F32 = jnp.float32
@@ -69,7 +69,7 @@ def on_common_manual_axes(*trees):
 def varies_over(array, axis: str) -> bool | None:
     """Inside jax.shard_map: whether ``array`` is typed as varying over the mesh axis ``axis``
     (split over it, or computed per device); None without check_vma, where no type tells."""
-    if not jax_config._check_vma.value:
+    if not check_vma.value:
         return None
     return axis in jax.typeof(array).mat.varying
 
@@ -148,7 +148,7 @@ def _tpu_kernel_lowering(ctx, *args, target: str, config: Config, result_types: 
     # out_shape, which the kernels do not give: they see one device's blocks. The primitive's
     # abstract eval has typed the results already (the operands' common manual axes, as the FFI
     # call's), so the kernel is traced and lowered without the check.
-    with jax_config._check_vma(False):
+    with check_vma(False):
         return mlir.lower_fun(kernel, multiple_results=True)(ctx, *args)
 
 
