@@ -1,6 +1,6 @@
-"""python -m mhc.bench on tiny shapes: both paths compute the same thing (so the ratio compares
-like with like), the table and the JSON carry every column, byte counts follow the spec, and bad
-flags are rejected."""
+"""python -m mhc.bench on tiny shapes: both paths compute the same thing, each held to the float64
+oracle with the one accuracy rule (so the ratio compares like with like), the table and the JSON
+carry every column, byte counts follow the spec, and bad flags are rejected."""
 
 import dataclasses
 import functools
