@@ -115,14 +115,46 @@ def backward(x, layer_out, params, config, dlayer_in, dout, noise=None):
     g = np.asarray(dout, np.float64).reshape(x3.shape)
     dli = np.asarray(dlayer_in, np.float64).reshape(-1, d)
     # Post, then the pre-apply.
-    dlayer_out = np.einsum("tj,tjd->td", f["h_post"], g)
-    dh_post = np.einsum("td,tjd->tj", f["lo"], g)
-    dh_res = np.einsum("tid,tjd->tij", x3, g)
-    dx3 = np.einsum("tij,tjd->tid", f["h_res"], g) + f["h_pre"][:, :, None] * dli[:, None, :]
+    _, dx3, dlayer_out, dh_post, dh_res = post_values(x3, f["lo"], f["h_post"], f["h_res"], g)
+    dx3 = dx3 + f["h_pre"][:, :, None] * dli[:, None, :]
     dh_pre = np.einsum("tkd,td->tk", x3, dli)
     dxf, dparams = _coefficient_backward(f, params, config, dh_pre, dh_post, dh_res, noise)
     dxf = dx3.reshape(dxf.shape) + dxf
     return dxf.reshape(np.shape(x)), dlayer_out.reshape(np.shape(layer_out)), dparams
+
+
+def post_values(x, layer_out, h_post, h_res, dout):
+    """The post alone (spec: Forward step 8) from given coefficients, out_j = sum_i h_res[i, j] x_i +
+    h_post[j] layer_out, and its VJP at dout: (out, dx, dlayer_out, dh_post, dh_res), float64,
+    any leading dims."""
+    x, layer_out, h_post, h_res, g = (np.asarray(v, np.float64) for v in (x, layer_out, h_post, h_res, dout))
+    out = np.einsum("...ij,...id->...jd", h_res, x) + h_post[..., :, None] * layer_out[..., None, :]
+    dx = np.einsum("...ij,...jd->...id", h_res, g)
+    dlayer_out = np.einsum("...j,...jd->...d", h_post, g)
+    dh_post = np.einsum("...d,...jd->...j", layer_out, g)
+    dh_res = np.einsum("...id,...jd->...ij", x, g)
+    return out, dx, dlayer_out, dh_post, dh_res
+
+
+def pre_values(x, params, config, dlayer_in, dh_pre, dh_post, dh_res, carried=None, noise=None):
+    """The pre alone (the kernels' pre_forward and pre_backward) in float64: layer_in and the
+    coefficients (h_pre, h_post, h_res), then the VJP at the cotangents of all four, (dx, dparams,
+    dcarried). V4 (carried None): layer_in = sum_k h_pre[k] x[k], so h_pre's cotangent is dh_pre
+    plus sum_d x[k, d] dlayer_in[d], dcarried None; V4.1 (carried given): layer_in = sum_k
+    carried[k] x[k], dcarried = sum_d x[k, d] dlayer_in[d]. x [T, n, D]; noise: see _forward."""
+    f = _forward(x, np.zeros(np.shape(x)[:-2] + np.shape(x)[-1:]), params, config, noise)
+    x3 = f["x3"]
+    dli = np.asarray(dlayer_in, np.float64).reshape(-1, x3.shape[2])
+    mix = f["h_pre"] if carried is None else np.asarray(carried, np.float64).reshape(-1, x3.shape[1])
+    layer_in = np.einsum("tk,tkd->td", mix, x3)
+    dmix = np.einsum("tkd,td->tk", x3, dli)
+    gates = np.asarray(dh_pre, np.float64) + (dmix if carried is None else 0.0)
+    dxf, dparams = _coefficient_backward(f, params, config, gates, dh_post, dh_res, noise)
+    dx = mix[:, :, None] * dli[:, None, :] + dxf.reshape(x3.shape)
+    return (
+        (layer_in, f["h_pre"], f["h_post"], f["h_res"]),
+        (dx.reshape(np.shape(x)), dparams, None if carried is None else dmix),
+    )
 
 
 def _coefficient_backward(f, params, config, dh_pre, dh_post, dh_res, noise):
@@ -203,10 +235,8 @@ def carried_values(x, layer_out, params, config, carried, dlayer_in, dh_pre, dou
     layer_in = np.einsum("tk,tkd->td", p, x3)
     g = np.asarray(dout, np.float64).reshape(x3.shape)
     dli = np.asarray(dlayer_in, np.float64).reshape(-1, d)
-    dlayer_out = np.einsum("tj,tjd->td", f["h_post"], g)
-    dh_post = np.einsum("td,tjd->tj", f["lo"], g)
-    dh_res = np.einsum("tid,tjd->tij", x3, g)
-    dx3 = np.einsum("tij,tjd->tid", f["h_res"], g) + p[:, :, None] * dli[:, None, :]
+    _, dx3, dlayer_out, dh_post, dh_res = post_values(x3, f["lo"], f["h_post"], f["h_res"], g)
+    dx3 = dx3 + p[:, :, None] * dli[:, None, :]
     dcarried = np.einsum("tkd,td->tk", x3, dli)
     given = np.asarray(dh_pre, np.float64).reshape(-1, n)
     dxf, dparams = _coefficient_backward(f, params, config, given, dh_post, dh_res, noise)

@@ -50,7 +50,12 @@ def test_numpy_backward_matches_finite_differences(seed, n, d, mix, iters, extra
 
     dx, dlo, dparams = numpy_reference.backward(inputs[0], inputs[1], mj.Params(*inputs[2:]), config, w_in, w_out)
     names = ["x", "layer_out", *mj.Params._fields]
-    for index, (name, analytic) in enumerate(zip(names, [dx, dlo, *dparams], strict=True)):
+    assert_gradients_match_central_differences(loss, inputs, names, [dx, dlo, *dparams], seed)
+
+
+def assert_gradients_match_central_differences(loss, inputs, names, gradients, seed):
+    """Each analytic gradient (of loss(inputs) wrt inputs[i], float64) against central differences."""
+    for index, (name, analytic) in enumerate(zip(names, gradients, strict=True)):
         numeric = np.zeros_like(inputs[index])
         for k in np.ndindex(inputs[index].shape):
             saved = inputs[index][k]
@@ -63,6 +68,38 @@ def test_numpy_backward_matches_finite_differences(seed, n, d, mix, iters, extra
             numeric[k] = (up - down) / (2 * h)
         error = np.linalg.norm(analytic - numeric) / np.linalg.norm(numeric)
         assert error <= 1e-6, f"d{name}: backward vs finite differences {error:.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize("v41", [False, True], ids=["v4", "v41-carried"])
+def test_numpy_pre_and_post_alone_match_finite_differences(seed, v41):
+    """pre_values (every output with a cotangent; V4.1 mixing by a carried mix) and post_values
+    from given coefficients: the oracles of the bench's operations."""
+    config, x, layer_out, params, dlayer_in, dout = problem(seed, 3, 2, "sinkhorn", 3, {}, lead=(3,))
+    rng = np.random.default_rng(seed)
+    carried = rng.uniform(size=(3, 3)) if v41 else None
+    weights = [np.asarray(dlayer_in, np.float64), *(rng.standard_normal(s) for s in ((3, 3), (3, 3), (3, 3, 3)))]
+    inputs = [np.asarray(v, np.float64) for v in (x, *params)] + ([carried] if v41 else [])
+
+    def pre_loss(values):
+        outputs, _ = numpy_reference.pre_values(
+            values[0], mj.Params(*values[1:5]), config, *weights, values[5] if v41 else None
+        )
+        return sum(np.sum(o * w) for o, w in zip(outputs, weights, strict=True))
+
+    _, (dx, dparams, dcarried) = numpy_reference.pre_values(
+        inputs[0], mj.Params(*inputs[1:5]), config, *weights, carried
+    )
+    assert (dcarried is None) == (not v41)
+    names = ["x", *mj.Params._fields] + (["carried"] if v41 else [])
+    assert_gradients_match_central_differences(pre_loss, inputs, names, [dx, *dparams, dcarried][: len(names)], seed)
+
+    g = np.asarray(dout, np.float64)
+    post_inputs = [np.asarray(x, np.float64), np.asarray(layer_out, np.float64), weights[1], weights[3]]
+    _, *gradients = numpy_reference.post_values(*post_inputs, g)
+    post_loss = lambda values: np.sum(numpy_reference.post_values(*values, g)[0] * g)  # noqa: E731
+    assert_gradients_match_central_differences(
+        post_loss, post_inputs, ["x", "layer_out", "h_post", "h_res"], gradients, seed
+    )
 
 
 @pytest.mark.parametrize("n,d,mix,iters,extra", CASES, ids=CASE_IDS)
