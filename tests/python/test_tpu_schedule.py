@@ -20,8 +20,8 @@ second_minor_factor: 1 */  ;;  %s1 = smov 0 } /* entry bundle: %k = custom-call(
    0x1   :  { %s2 = smov 0 } /* Start region 5 */
    0x2 LB: > { %s3 = sphi %s2, %s9  ;;  %v1 = vld [vmem:[%s0]] } /* Start region 7 */
    0x3   : > { %p1 = scmp.eq.s32.totalorder %s3, 0  ;;  %4 = sbr.rel (%p1) target = $region11 }
-   0x4 LB: > { %v2 = vadd.f32 %v1, %v1  ;;  %5 = vst [vmem:[#allocation3_spill]] %v2 } /* Start region 9 */
-   0x5   : > { %p2 = scmp.ge.s32.totalorder %s5, 19 /* loop exit test */  ;;  %6 = sbr.rel (!%p2) target = $region9 }
+   0x4 LB: >> { %v2 = vadd.f32 %v1, %v1  ;;  %5 = vst [vmem:[#allocation3_spill]] %v2 } /* Start region 9 */
+   0x5   : >> { %p2 = scmp.ge.s32.totalorder %s5, 19 /* loop exit test */  ;;  %6 = sbr.rel (!%p2) target = $region9 }
    0x6 PB: > { %v3 = vmul.f32 %v1, %v1 } /* Start region 11 */
    0x7   : > { %v4 = vld [vmem:[#allocation3_spill]] } /* End region 11 */
    0x8   : > { %s9 = sadd.s32 1, %s3  ;;  %p3 = scmp.ge.s32.totalorder %s9, 34 /* loop exit test */ }

@@ -47,7 +47,7 @@ def dump_flags(directory: str | pathlib.Path) -> str:
     return f"--xla_jf_dump_to={directory} --xla_jf_dump_llo_text=true --xla_jf_dump_llo_pass_label_regex=final"
 
 
-_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*>?\s*\{")
+_BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*>*\s*\{")  # one > per loop level
 _START_REGION = re.compile(r"Start region (\d+)")
 _BRANCH = re.compile(r"sbr\.rel (?:\([^)]*\) )?target = \$region(\d+)")
 # A program that is all one Mosaic kernel: every scheduled bundle belongs to a tpu_custom_call.
