@@ -330,6 +330,20 @@ MUTATIONS = (
         python_tests=("tests/python/test_sharding.py::test_padded_rows_stay_out_of_parameter_gradients",),
     ),
     Mutation(
+        "split_pre_partials_not_summed",
+        "the tensor-parallel pre forward drops the psum of its partial sums over the D slices: each device's "
+        "coefficients from its own slice only",
+        (
+            Edit(
+                "python/mhc/jax/_kernels/pre.py",
+                "        partials = jax.lax.psum(partials, plan.feature_axes)\n",
+                "        partials = partials\n",
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_sharding.py::test_carried_mix_inside_shard_map_with_d_split",),
+    ),
+    Mutation(
         "carried_gradient_summed_twice_in_shard_map",
         "inside shard_map with D split, dcarried is summed over the devices in the backward and again by the "
         "transpose of the carried input: P times too large",
