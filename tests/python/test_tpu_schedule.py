@@ -66,6 +66,17 @@ def test_find_loops_takes_backward_branches_with_their_exit_tests_and_skips_forw
     assert _schedule.Loop(first=2, last=9, trips=34) in _schedule.find_loops(_schedule.parse_bundles(unconditional))
 
 
+def test_an_unrolled_loop_counts_its_trips_by_its_step_and_start():
+    # libtpu's form of a fori_loop unrolled by 2: the counter steps by 2 from an smov to the exit
+    # test's bound (the post forward's bf16 kernel: 64 rows of 8 tokens, 32 trips).
+    stepped = BUNDLES.replace("%p2 = scmp.ge.s32.totalorder %s5, 19", "%p2 = scmp.ge.s32.totalorder %s5, 64").replace(
+        "%v2 = vadd.f32 %v1, %v1", "%v2 = vadd.f32 %v1, %v1  ;;  %s4 = sphi %s10, %s5  ;;  %s5 = sadd.s32 2, %s4"
+    )
+    stepped = stepped.replace("%s2 = smov 0", "%s2 = smov 0  ;;  %s10 = smov 6")
+    loops = _schedule.find_loops(_schedule.parse_bundles(stepped))
+    assert _schedule.Loop(first=4, last=5, trips=29) in loops  # (64 - 6) / 2
+
+
 def test_step_schedule_expands_the_inner_loop_by_its_trips():
     step = _schedule.step_schedule(BUNDLES, UTILIZATION)
     # 0x2-0x9 is 8 bundles, of which the inner loop's 2 run 19 times: 6 + 2 * 19.

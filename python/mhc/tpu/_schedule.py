@@ -52,7 +52,7 @@ _START_REGION = re.compile(r"Start region (\d+)")
 _BRANCH = re.compile(r"sbr\.rel (?:\([^)]*\) )?target = \$region(\d+)")
 # A program that is all one Mosaic kernel: every scheduled bundle belongs to a tpu_custom_call.
 _KERNEL_PROGRAM = re.compile(r"\(100\.00%\): %\S+ = [^\n]*custom_call_target=\"tpu_custom_call\"")
-_EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder %\w+, (\d+) /\* loop exit test \*/")
+_EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder (%\w+), (\d+) /\* loop exit test \*/")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +91,28 @@ def find_loops(bundles: list[str]) -> list[Loop]:
             first = region_start.get(region)
             if first is None or first > address:
                 continue  # a forward branch (a predicated region or an exit)
-            tests = [int(m) for b in bundles[first : address + 1] for m in _EXIT_TEST.findall(b)]
-            loops.append(Loop(first, address, tests[-1] if tests else None))
+            tests = [m for b in bundles[first : address + 1] for m in _EXIT_TEST.findall(b)]
+            loops.append(Loop(first, address, _trip_count(bundles, *tests[-1]) if tests else None))
     return loops
+
+
+def _trip_count(bundles: list[str], counter: str, bound: str) -> int:
+    """Trips of a loop whose exit test compares `counter` with `bound`: the counter is
+    `sadd.s32 STEP, %phi`, the phi starts at an `smov START` (an unrolled loop steps by more than
+    one); STEP 1 and START 0 where the program does not say."""
+    program = "\n".join(bundles)
+
+    def defined(register: str, pattern: str):
+        match = re.search(re.escape(register) + r" = " + pattern, program)
+        return match.groups() if match else None
+
+    step, phi = defined(counter, r"sadd\.s32 (\d+), (%\w+)") or ("1", None)
+    start = 0
+    if phi is not None:
+        initial = defined(phi, r"sphi (%\w+), " + re.escape(counter))
+        value = initial and defined(initial[0], r"smov (\d+)")
+        start = int(value[0]) if value else 0
+    return max(0, -(-(int(bound) - start) // int(step)))
 
 
 def parse_utilization(text: str) -> tuple[list[str], list[int], list[list[int]]]:
