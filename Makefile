@@ -124,11 +124,11 @@ bench-cpp: build
 # tile, compile time, VMEM, the HBM-byte floor per kernel (tens of minutes on 2 cores).
 # TPU_COMPILE_ARGS passes flags, e.g. "--dtype float32 --kernels mhc_boundary_forward".
 tpu-compile: python
-	@$(PYTHON) scripts/tpu_compile.py --estimate $(TPU_COMPILE_ARGS)
+	@$(PYTHON) -m mhc.tpu.compile_report --estimate $(TPU_COMPILE_ARGS)
 
 # The same at DeepSeek-V4's widths, D = 4096 and 7168 (an hour or more on 2 cores).
 tpu-compile-v4: python
-	@$(PYTHON) scripts/tpu_compile.py --estimate --d 4096 7168 $(TPU_COMPILE_ARGS)
+	@$(PYTHON) -m mhc.tpu.compile_report --estimate --d 4096 7168 $(TPU_COMPILE_ARGS)
 
 # The main job: train a small byte-level mHC transformer on the CPU with the fused kernels
 # (about 3 minutes on 2 cores); outputs in demo_output/. DEMO_ARGS passes flags, e.g. --compare.

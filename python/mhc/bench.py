@@ -29,7 +29,7 @@ this order), and the table shows both kernel and plain times side by side; ``def
     python -m mhc.bench --tpu-estimate [ARGS]    # the TPU kernels' static time estimate (no TPU needed)
 
 ``--tpu-estimate`` measures nothing on this host: it runs the source tree's
-``scripts/tpu_compile.py --estimate`` (the remaining arguments are that script's, e.g. ``--chips v6e
+``python -m mhc.tpu.compile_report --estimate`` (the remaining arguments are that module's, e.g. ``--chips v6e
 --mix permutations``), which compiles each mhc.tpu kernel for v5e and v6e and prices its compiled
 schedule against the HBM floor (docs/tpu.md, "Speed by the compiled schedule").
 """
@@ -45,7 +45,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 OPS = (
     "pre_forward",
@@ -718,12 +717,10 @@ def format_table(result: dict) -> str:
 
 
 def _tpu_estimate(arguments: list[str]) -> int:
-    """--tpu-estimate: scripts/tpu_compile.py --estimate of the source tree this module is in."""
-    script = Path(__file__).resolve().parents[2] / "scripts" / "tpu_compile.py"
-    if not script.is_file():
-        print(f"python -m mhc.bench --tpu-estimate: needs the source tree's {script} (not installed)", file=sys.stderr)
-        return 2
-    return subprocess.run([sys.executable, str(script), "--estimate", *arguments], check=False).returncode
+    """--tpu-estimate: mhc.tpu.compile_report --estimate, in a fresh process (libtpu reads its dump
+    flags once, when it loads)."""
+    command = [sys.executable, "-m", "mhc.tpu.compile_report", "--estimate", *arguments]
+    return subprocess.run(command, check=False).returncode
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """Compile-only for real chips (issue: TPU backend): the post kernels and V4.1's collapse, forward
 and backward, at a steady-state shape (n = 4, D = 2048, T = 4096, bf16) through libtpu's compile-only topologies for
-v5e and v6e, by scripts/tpu_compile.py. Mosaic's compiler and XLA:TPU must accept them, fit the
+v5e and v6e, by mhc.tpu.compile_report. Mosaic's compiler and XLA:TPU must accept them, fit the
 chip's VMEM (an overuse is a compile error) and put no relayout copy of x around them. Nothing
 runs on a chip. The pre, boundary and head kernels take minutes each to compile on 2 cores:
 `make tpu-compile` (D = 2048) and `make tpu-compile-v4` compile every kernel outside the tests."""
@@ -9,11 +9,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "tpu_compile.py"
 CHIP_VMEM_MIB = {"v5e": 128, "v6e": 128}
 
 pytest.importorskip("libtpu", reason="libtpu (jax[tpu], requirements-dev.txt) compiles for the chips")
@@ -25,7 +23,17 @@ pytestmark = pytest.mark.slow
 def test_post_kernels_compile_for_v5e_and_v6e_and_fit_vmem():
     # With DeepSeek-V4.1's collapse, the post kernels' grid and plan (seconds to compile).
     kernels = ["mhc_post_forward", "mhc_post_backward", "mhc_collapse_forward", "mhc_collapse_backward"]
-    command = [sys.executable, str(SCRIPT), "--chips", *CHIP_VMEM_MIB, "--d", "2048", "--kernels", *kernels]
+    command = [
+        sys.executable,
+        "-m",
+        "mhc.tpu.compile_report",
+        "--chips",
+        *CHIP_VMEM_MIB,
+        "--d",
+        "2048",
+        "--kernels",
+        *kernels,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if re.match(r"\| v\d", line)]
@@ -38,12 +46,21 @@ def test_post_kernels_compile_for_v5e_and_v6e_and_fit_vmem():
 
 
 def test_static_estimate_of_the_post_forward_from_its_compiled_bundles():
-    # scripts/tpu_compile.py --estimate: libtpu's final-bundle dumps of a real compile read by
+    # mhc.tpu.compile_report --estimate: libtpu's final-bundle dumps of a real compile read by
     # mhc.tpu._schedule (its parser is tested on a fixed sample in test_tpu_schedule.py).
     import mhc.tpu
     from mhc.tpu import _schedule
 
-    command = [sys.executable, str(SCRIPT), "--chips", "v5e", "--kernels", "mhc_post_forward", "--estimate"]
+    command = [
+        sys.executable,
+        "-m",
+        "mhc.tpu.compile_report",
+        "--chips",
+        "v5e",
+        "--kernels",
+        "mhc_post_forward",
+        "--estimate",
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (row,) = [

@@ -1,11 +1,9 @@
 """Every kernel of mhc.tpu.KERNELS, lowered for a TPU (jax.export), is one pallas_call named after
 its operation and token tile (what a TPU profile and libtpu's dumps show), and asks the compiler
 for the one VMEM limit the chip gives (_layout.vmem_limit of _layout.chip_vmem: issue 42 item 3).
-The operands of each operation are scripts/tpu_compile.py's (OPERATIONS), at a small shape."""
+The operands of each operation are mhc.tpu.compile_report's (OPERATIONS), at a small shape."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -14,12 +12,7 @@ import pytest
 import mhc.jax as mj
 import mhc.tpu
 from mhc.tpu import _layout
-
-_SPEC = importlib.util.spec_from_file_location(
-    "tpu_compile", Path(__file__).resolve().parents[2] / "scripts" / "tpu_compile.py"
-)
-tpu_compile = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(tpu_compile)
+from mhc.tpu import compile_report as tpu_compile
 
 
 @pytest.mark.parametrize("name", sorted(mhc.tpu.KERNELS))

@@ -115,7 +115,7 @@ def test_mismatched_dumps_raise_naming_the_function():
 
 
 def test_bench_tpu_estimate_runs_the_compile_script_with_its_arguments(capfd):
-    # python -m mhc.bench --tpu-estimate hands the rest to scripts/tpu_compile.py --estimate: an
+    # python -m mhc.bench --tpu-estimate hands the rest to mhc.tpu.compile_report --estimate: an
     # unknown kernel is that script's own error (nothing is compiled).
     from mhc import bench
 

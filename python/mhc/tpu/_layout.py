@@ -90,7 +90,7 @@ def coefficient_rows(n: int) -> int:
 
 def chip_vmem() -> int:
     """VMEM per core of the chip jax traces for: the default device (jax.default_device, as
-    scripts/tpu_compile.py sets for a compile-only topology) or else the first device of the
+    mhc.tpu.compile_report sets for a compile-only topology) or else the first device of the
     default backend; DEFAULT_VMEM for a chip not in VMEM_BY_DEVICE_KIND or a host without a TPU."""
     device = jax.config.jax_default_device
     if not hasattr(device, "device_kind"):

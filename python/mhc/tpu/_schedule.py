@@ -4,7 +4,7 @@
 A TPU core is statically scheduled: each VLIW bundle issues in one cycle, so the bundles of a
 kernel's grid loop, once per grid step, over the chip's clock, bound its compute time from below.
 libtpu writes the final bundles and each bundle's functional-unit use when it compiles for a
-compile-only topology with the flags of ``dump_flags`` (``scripts/tpu_compile.py --estimate``
+compile-only topology with the flags of ``dump_flags`` (``python -m mhc.tpu.compile_report --estimate``
 sets them). This module reads those two files:
 
 - ``*-final_bundles.txt``: one line per bundle, ``<address> [LB|LH|...]: > { op ;; op ... }``,

@@ -4,10 +4,10 @@ plan chose, the compile time, the VMEM the compiler reserved for the kernel (its
 used_scoped_memory_configs), the spec's minimum HBM bytes and the time they take at the chip's
 HBM bandwidth (the floor a TPU run can be held to), and the x-sized copies XLA put around the
 kernel (a relayout of x costs a pass over it). Nothing runs: speed and hardware numerics are not
-measured. Slow (tens of seconds to minutes per compile on 2 cores), so not part of the tests: make
+measured. Slow (tens of seconds to minutes per compile on 2 cores), so not part of make check: make
 tpu-compile (n = 4, D = 2048) and make tpu-compile-v4 (DeepSeek-V4's D = 4096 and 7168).
 
-    python scripts/tpu_compile.py [--chips v5e v6e] [--n 4] [--d 2048 ...] [--tokens 4096]
+    python -m mhc.tpu.compile_report [--chips v5e v6e] [--n 4] [--d 2048 ...] [--tokens 4096]
         [--dtype bfloat16] [--mix sinkhorn] [--kernels mhc_pre_forward ...] [--estimate]
 
 Every operation of mhc.tpu.KERNELS is compiled (OPERATIONS gives its operands and spec bytes); the
@@ -38,8 +38,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
 
-import mhc.jax as mj  # noqa: E402
 import mhc.tpu  # noqa: E402
+from mhc._config import Config  # noqa: E402
 from mhc.tpu import _schedule  # noqa: E402
 
 # Per operation of mhc.tpu.KERNELS: its operands in the C++ contract's order (x [T, n, D] and
@@ -77,7 +77,7 @@ OPERATIONS = {
 }
 
 
-def _operands(kinds, config: mj.Config, d: int, t: int, dtype, sharding):
+def _operands(kinds, config: Config, d: int, t: int, dtype, sharding):
     n, width = config.n, config.projection_width
 
     def shape(dims, dtype=jnp.float32):
@@ -154,7 +154,7 @@ def main():
         "--estimate", action="store_true", help="dump the final bundles and add the static time estimate per kernel"
     )
     args = parser.parse_args()
-    dtype, config = jnp.dtype(args.dtype), mj.Config(n=args.n, mix=args.mix)
+    dtype, config = jnp.dtype(args.dtype), Config(n=args.n, mix=args.mix)
     names = args.kernels or list(mhc.tpu.KERNELS)
     unknown = sorted(set(names) - set(mhc.tpu.KERNELS) | set(names) - set(OPERATIONS))
     if unknown:
