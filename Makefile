@@ -100,14 +100,17 @@ mutate: setup $(VENV)/.installed
 # Every test: C++ (GoogleTest through CTest), the installed package, sanitizers, a bounded fuzz run,
 # Python (pytest, run once, under coverage), the mutation check and the lint checks. build/ first
 # (the pip build and make mutate's copy are then served from its compiles by ccache), then the
-# stages TEST_STAGES at a time, longest first: each stage uses every core for most of its time but
-# one thread for part of it (configuring, linking, the fuzzer, each mutation's pytest), which the
-# other stage fills. --output-sync prints each stage's output whole, when it ends, with its time
-# (scripts/timed.sh; docs/testing.md, "CI time").
+# package, then the stages TEST_STAGES at a time, longest first: each stage uses every core for
+# most of its time but one thread for part of it (configuring, linking, the fuzzer, each mutation's
+# pytest), which the other stage fills. -o: what the first two steps made is not made again (a
+# pip install into .venv while make mutate's pytest starts from it fails that pytest).
+# --output-sync prints each stage's output whole, when it ends, with its time (scripts/timed.sh;
+# docs/testing.md, "CI time").
 TEST_STAGES ?= 2
 test: setup $(VENV)/.installed
 	@$(MAKE) --no-print-directory build
-	@$(MAKE) --no-print-directory -j $(TEST_STAGES) --output-sync=target \
+	@$(MAKE) --no-print-directory python
+	@$(MAKE) --no-print-directory -j $(TEST_STAGES) --output-sync=target -o setup -o configure -o build -o python \
 		coverage mutate sanitize lint test-cpp consumer fuzz
 
 # Kernels vs the jitted plain-JAX path on the roofline (python -m mhc.bench; BENCH_ARGS passes
