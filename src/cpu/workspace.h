@@ -16,6 +16,9 @@
 // watches the clock, so a process that stops calling keeps at most kMaxIdleBytes until its next
 // call). Memory in use is one arena per call in flight. Before, each calling thread kept its own
 // largest buffers for ever (thread_local), up to 12 of them, 48-84 MiB per thread.
+// What stays thread_local is the projection's scratch (projection.cc: a folded weight block, a
+// step's block sums, a packed column block), sized by one token tile and one feature block, not by
+// T or D: tens to hundreds of KiB per thread.
 //
 // Arenas are not zeroed: a kernel that needs zeros writes them in the tiles that own the memory,
 // on the workers (first touch there spreads the page faults over the threads too).
