@@ -19,14 +19,12 @@ from mhc.jax._kernels.dispatch import (
     _apply,
     _call,
     _flat,
-    _grad_types,
     _lead,
     _local_param_grads,
     _local_params,
     _named,
     _param_grads,
     _present,
-    _sds,
     _shaped,
     _split_form,
     _target,
@@ -48,33 +46,21 @@ from mhc.jax._kernels.pre import (
     PRE_FORWARD_CARRIED,
     _pre_backward_local,
     _pre_forward_local,
-    _pre_forward_types,
 )
 from mhc.jax._partitioning import Operation
 
 
 def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params, *, h_pre=None):
-    types = (_sds(x.shape, x.dtype), *_pre_forward_types(x))
     args = (x, layer_out, *_present(h_pre), h_post, h_res, *params)
-    return _call(_target("mhc_boundary_forward", h_pre), config, types, *args)
+    return _call(_target("mhc_boundary_forward", h_pre), config, *args)
 
 
 def boundary_backward(config: Config, next_cotangents, x, layer_out, h_post, h_res, params: Params, *, h_pre=None):
     """-> dx_partial, dlayer_out, dh_post, dh_res, (V4.1: dh_pre, the cotangent of h_pre: the
     dcarried of sublayer l+1,) then the parameter gradients of l+1. ``next_cotangents``: those of
     l+1's pre, V4.1's with its dh_pre third."""
-    t, n, _ = x.shape
-    dh_pre = () if h_pre is None else (_sds((t, n), _F32),)
-    types = (
-        _sds(x.shape, x.dtype),
-        _sds(layer_out.shape, layer_out.dtype),
-        _sds((t, n), _F32),
-        _sds((t, n, n), _F32),
-        *dh_pre,
-        *_grad_types(params),
-    )
     args = (*next_cotangents, x, layer_out, *_present(h_pre), h_post, h_res, *params)
-    return _call(_target("mhc_boundary_backward", h_pre), config, types, *args)
+    return _call(_target("mhc_boundary_backward", h_pre), config, *args)
 
 
 def _boundary_forward_local(config: Config, plan, x, layer_out, h_pre, h_post, h_res, *shaped):

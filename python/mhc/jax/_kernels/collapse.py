@@ -9,7 +9,6 @@ import jax
 
 from mhc._config import Config
 from mhc.jax._kernels.dispatch import (
-    _F32,
     RESIDUAL_COEFFICIENTS,
     RESIDUAL_X,
     _apply,
@@ -17,18 +16,16 @@ from mhc.jax._kernels.dispatch import (
     _lead,
     _named,
     _psum_together,
-    _sds,
 )
 from mhc.jax._partitioning import Operation
 
 
 def collapse_forward(config: Config, x, carried):
-    t, _, d = x.shape
-    return _call("mhc_collapse_forward", config, _sds((t, d), x.dtype), x, carried)
+    return _call("mhc_collapse_forward", config, x, carried)
 
 
 def collapse_backward(config: Config, dout, x, carried):
-    return _call("mhc_collapse_backward", config, (_sds(x.shape, x.dtype), _sds(carried.shape, _F32)), dout, x, carried)
+    return _call("mhc_collapse_backward", config, dout, x, carried)
 
 
 def _collapse_forward_local(config: Config, plan, x, carried):

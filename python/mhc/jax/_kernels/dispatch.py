@@ -35,6 +35,7 @@ from jax.interpreters import batching, mlir
 from mhc import _ffi
 from mhc._config import Config, Params
 from mhc._jax_internals import check_vma
+from mhc._operations import OPERATIONS, output_specs
 from mhc.jax._partitioning import Operation, Plan, apply
 
 _F32 = jnp.float32
@@ -93,14 +94,16 @@ def _manual_axes_types(args, result_types):
     return tuple(_vary(a, varying) for a in args), typed
 
 
-def _call(target: str, config: Config, result_types, *args, slices: int = 1):
+def _call(target: str, config: Config, *args, slices: int = 1):
     """The kernel ``target`` on ``args``: on each lowering platform, the backend that has it (the
     C++ FFI target on cpu and cuda, mhc.tpu.KERNELS[target] on tpu, see _backend for the test
     switch). A platform without it gets the FFI call, which XLA refuses there when it compiles;
-    the platform checks (_check_platform_p) raise the mhc error at lowering before that."""
-    args, result_types = _manual_axes_types(args, result_types)
-    single = isinstance(result_types, jax.ShapeDtypeStruct)
-    types = (result_types,) if single else tuple(result_types)
+    the platform checks (_check_platform_p) raise the mhc error at lowering before that. The
+    results' shapes and dtypes come from the operation's declaration (mhc._operations); one
+    result comes back as an array, several as a tuple."""
+    declared = output_specs(OPERATIONS[target.removeprefix("mhc_")], args, _F32)
+    args, types = _manual_axes_types(args, tuple(_sds(shape, dtype) for shape, dtype in declared))
+    single = len(types) == 1
 
     def ffi(*args):
         return _ffi_call(*args, target=target, config=config, result_types=types, slices=slices)
@@ -164,10 +167,6 @@ mlir.register_lowering(_tpu_kernel_p, functools.partial(_tpu_kernel_lowering, in
 
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
-
-
-def _grad_types(params) -> tuple:
-    return tuple(_sds(p.shape, _F32) for p in params)
 
 
 # DeepSeek-V4.1's kernels (spec: Single-pass schedule) are V4's with one more operand, which the

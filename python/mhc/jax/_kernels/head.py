@@ -9,15 +9,12 @@ import jax
 
 from mhc._config import Config, HeadParams
 from mhc.jax._kernels.dispatch import (
-    _F32,
     RESIDUAL_X,
     _apply,
     _call,
-    _grad_types,
     _lead,
     _named,
     _psum_together,
-    _sds,
     _zero_padded_rows,
     on_common_manual_axes,
 )
@@ -25,13 +22,11 @@ from mhc.jax._partitioning import Operation
 
 
 def head_forward(config: Config, x, head: HeadParams):
-    t, n, d = x.shape
-    return _call("mhc_head_forward", config, (_sds((t, d), x.dtype), _sds((t, n), _F32)), x, *head)
+    return _call("mhc_head_forward", config, x, *head)
 
 
 def head_backward(config: Config, dout, x, head: HeadParams):
-    types = (_sds(x.shape, x.dtype), *_grad_types(head))
-    return _call("mhc_head_backward", config, types, dout, x, *head)
+    return _call("mhc_head_backward", config, dout, x, *head)
 
 
 def _head_forward_local(config: Config, plan, x, fn, base, scale):

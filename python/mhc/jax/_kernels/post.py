@@ -8,7 +8,6 @@ import jax
 
 from mhc._config import Config
 from mhc.jax._kernels.dispatch import (
-    _F32,
     RESIDUAL_COEFFICIENTS,
     RESIDUAL_LAYER_OUT,
     RESIDUAL_X,
@@ -18,20 +17,17 @@ from mhc.jax._kernels.dispatch import (
     _lead,
     _named,
     _psum_together,
-    _sds,
     _unflat,
 )
 from mhc.jax._partitioning import Operation
 
 
 def post_forward(config: Config, x, layer_out, h_post, h_res):
-    return _call("mhc_post_forward", config, _sds(x.shape, x.dtype), x, layer_out, h_post, h_res)
+    return _call("mhc_post_forward", config, x, layer_out, h_post, h_res)
 
 
 def post_backward(config: Config, g, x, layer_out, h_post, h_res):
-    t, n, _ = x.shape
-    types = (_sds(x.shape, x.dtype), _sds(layer_out.shape, layer_out.dtype), _sds((t, n), _F32), _sds((t, n, n), _F32))
-    return _call("mhc_post_backward", config, types, g, x, layer_out, h_post, h_res)
+    return _call("mhc_post_backward", config, g, x, layer_out, h_post, h_res)
 
 
 def _post_forward_local(config: Config, plan, x, layer_out, h_post, h_res):

@@ -18,14 +18,12 @@ from mhc.jax._kernels.dispatch import (
     _apply,
     _call,
     _flat,
-    _grad_types,
     _lead,
     _local_param_grads,
     _local_params,
     _named,
     _param_grads,
     _present,
-    _sds,
     _shaped,
     _split_form,
     _target,
@@ -36,15 +34,8 @@ from mhc.jax._kernels.dispatch import (
 from mhc.jax._partitioning import Operation
 
 
-def _pre_forward_types(x) -> tuple:
-    """What the pre forward writes: layer_in [T, D] in x's dtype, h_pre and h_post [T, n] and h_res
-    [T, n, n] in f32."""
-    t, n, d = x.shape
-    return (_sds((t, d), x.dtype), _sds((t, n), _F32), _sds((t, n), _F32), _sds((t, n, n), _F32))
-
-
 def pre_forward(config: Config, x, params: Params, *, carried=None):
-    return _call(_target("mhc_pre_forward", carried), config, _pre_forward_types(x), x, *_present(carried), *params)
+    return _call(_target("mhc_pre_forward", carried), config, x, *_present(carried), *params)
 
 
 def pre_backward(
@@ -52,26 +43,21 @@ def pre_backward(
 ):
     """-> dx, (V4.1: dcarried,) then the parameter gradients. V4.1 takes dh_pre, the cotangent of
     the sublayer's own h_pre; V4 derives it from dlayer_in."""
-    dcarried = () if carried is None else (_sds(carried.shape, _F32),)
-    types = (_sds(x.shape, x.dtype), *dcarried, *_grad_types(params))
     args = (dlayer_in, dx_partial, *_present(dh_pre), dh_post, dh_res, x, *_present(carried), *params)
-    return _call(_target("mhc_pre_backward", carried), config, types, *args)
+    return _call(_target("mhc_pre_backward", carried), config, *args)
 
 
 def pre_forward_partials(config: Config, slices: int, x, norm_weight, phi):
-    t = x.shape[0]
-    types = _sds((t, config.projection_width + 1), _F32)
-    return _call("mhc_pre_forward_partials", config, types, x, norm_weight, phi, slices=slices)
+    return _call("mhc_pre_forward_partials", config, x, norm_weight, phi, slices=slices)
 
 
 def pre_forward_finish(config: Config, slices: int, x, partials, alpha, bias, *, carried=None):
     args = (x, partials, *_present(carried), alpha, bias)
-    return _call(_target("mhc_pre_forward_finish", carried), config, _pre_forward_types(x), *args, slices=slices)
+    return _call(_target("mhc_pre_forward_finish", carried), config, *args, slices=slices)
 
 
 def pre_backward_partials(config: Config, slices: int, dlayer_in, x):
-    types = _sds(x.shape[:2], _F32)
-    return _call("mhc_pre_backward_partials", config, types, dlayer_in, x, slices=slices)
+    return _call("mhc_pre_backward_partials", config, dlayer_in, x, slices=slices)
 
 
 def pre_backward_finish(
@@ -88,9 +74,8 @@ def pre_backward_finish(
     *,
     carried=None,
 ):
-    types = (_sds(x.shape, x.dtype), *_grad_types(params))
     args = (dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, *_present(carried), *params)
-    return _call(_target("mhc_pre_backward_finish", carried), config, types, *args, slices=slices)
+    return _call(_target("mhc_pre_backward_finish", carried), config, *args, slices=slices)
 
 
 def _pre_forward_local(config: Config, plan, x, carried, norm_weight, phi, alpha, bias):
