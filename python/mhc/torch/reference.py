@@ -34,6 +34,11 @@ def mix_matrix(config: Config, logits: torch.Tensor) -> torch.Tensor:
     return s
 
 
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """The coefficient math's dtype: f32, or f64 for f64 inputs (the tests' float64 oracle)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _rms_factor(flat: torch.Tensor, config: Config) -> torch.Tensor:
     return torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + config.rms_eps)
 
@@ -41,7 +46,7 @@ def _rms_factor(flat: torch.Tensor, config: Config) -> torch.Tensor:
 def coefficients(x: torch.Tensor, params: Params, config: Config):
     """h_pre [..., n], h_post [..., n], h_res [..., n, n] in f32 (spec: Forward steps 1-5)."""
     n = config.n
-    flat = x.float().reshape(*x.shape[:-2], n * x.shape[-1])
+    flat = _wide(x).reshape(*x.shape[:-2], n * x.shape[-1])
     projection = (flat * params.norm_weight) @ params.phi
     r = _rms_factor(flat, config)
     alpha = params.alpha
@@ -54,7 +59,7 @@ def coefficients(x: torch.Tensor, params: Params, config: Config):
 
 def mix(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """sum_k weights[..., k] x[..., k, :] in f32, rounded once to x's dtype: [..., D]."""
-    return (weights.unsqueeze(-1) * x.float()).sum(dim=-2).to(x.dtype)
+    return (weights.unsqueeze(-1) * _wide(x)).sum(dim=-2).to(x.dtype)
 
 
 def pre_apply(x: torch.Tensor, h_pre: torch.Tensor, carried, config: Config) -> torch.Tensor:
@@ -66,14 +71,14 @@ def pre_apply(x: torch.Tensor, h_pre: torch.Tensor, carried, config: Config) -> 
 
 def post(x: torch.Tensor, layer_out: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:
     """out[..., j, d] = sum_i h_res[..., i, j] x[..., i, d] + h_post[..., j] layer_out[..., d] (x's dtype)."""
-    mixed = torch.einsum("...ij,...id->...jd", h_res, x.float())
-    return (mixed + h_post.unsqueeze(-1) * layer_out.float().unsqueeze(-2)).to(x.dtype)
+    mixed = torch.einsum("...ij,...id->...jd", h_res, _wide(x))
+    return (mixed + h_post.unsqueeze(-1) * _wide(layer_out).unsqueeze(-2)).to(x.dtype)
 
 
 def head(x: torch.Tensor, params: HeadParams, config: Config) -> torch.Tensor:
     """DeepSeek-V4's head [..., D] (x's dtype): sum_k g_k x_k with
     g = sigmoid(scale * r * (x_flat . fn^T) + base) + pre_eps (spec: Head)."""
-    flat = x.float().reshape(*x.shape[:-2], config.n * x.shape[-1])
+    flat = _wide(x).reshape(*x.shape[:-2], config.n * x.shape[-1])
     gates = torch.sigmoid(params.scale[0] * (_rms_factor(flat, config) * (flat @ params.fn.T)) + params.base)
     return mix(gates + config.pre_eps, x)
 
