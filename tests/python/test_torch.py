@@ -372,3 +372,65 @@ def test_bad_input_to_post_and_collapse():
         mt.collapse(mt.Pending(layer_in, ctx))
     with pytest.raises(ValueError, match=r"mhc.torch.pre: carried: a carried mix is read only by"):
         mt.pre(x, params, config, carried=torch.ones(2, 4))
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "plain"])
+def test_head_matches_float64(seed, use_kernel):
+    """DeepSeek-V4's head: out and the gradients of x and its parameters against head_values."""
+    rng = np.random.default_rng(seed)
+    config, d = mj.Config(n=4), 16
+    x = rng.standard_normal((2, 3, 4, d)).astype(np.float32)
+    head = mj.HeadParams(
+        rng.standard_normal((4, 4 * d)).astype(np.float32) / 8,
+        rng.standard_normal(4).astype(np.float32),
+        rng.uniform(0.5, 1.5, 1).astype(np.float32),
+    )
+    dout = rng.standard_normal((2, 3, d)).astype(np.float32)
+    tx = to_torch(x, grad=True)
+    thead = mt.HeadParams(*(to_torch(p, grad=True) for p in head))
+    out = mt.head(tx, thead, config, use_kernel=use_kernel)
+    out.backward(to_torch(dout))
+    got = [out, tx.grad, *(p.grad for p in thead)]
+    want = numpy_reference.head_values(x, head, config, dout)
+    for index, (value, reference_value) in enumerate(zip(got, want, strict=True)):
+
+        def perturbed(rng, index=index):
+            x_, head_ = round_by_one_unit(rng, x), round_by_one_unit(rng, head)
+            return numpy_reference.head_values(x_, head_, config, dout, noise=rng)[index]
+
+        assert_matches(f"head {index}", value.detach().numpy(), reference_value, 1e-5, perturbed, f"seed={seed}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_v41_chain_and_head_bits_equal_mhc_jax(seed, dtype):
+    """V4.1's chain (carried pre, fused carried boundaries, collapse) and V4's head: the same bits
+    as mhc.jax's kernel path, forward and gradients."""
+    import jax
+
+    rng = np.random.default_rng(seed)
+    config, d = mj.Config(n=4, pre_from_previous=True), 16
+    x = rng.standard_normal((5, 4, d)).astype(np.float32)
+    params = [random_numpy_params(rng, config, d) for _ in range(3)]
+    tdtype, jdtype = DTYPES[dtype]
+
+    def halve(h):  # a branch both frameworks compute exactly (a library's tanh may differ in its last bit)
+        return h * 0.5
+
+    def jax_loss(x, params):
+        state = x.astype(jdtype)
+        for p in params:
+            state = mj.sublayer(state, p, config, halve)
+        return mj.collapse(state).astype(jnp.float32).sum()
+
+    want = jax.grad(jax_loss, argnums=(0, 1))(jnp.asarray(x), [mj.Params(*map(jnp.asarray, p)) for p in params])
+    tx = to_torch(x, grad=True)
+    tparams = [mt.Params(*(to_torch(v, grad=True) for v in p)) for p in params]
+    state = tx.to(tdtype)
+    for p in tparams:
+        state = mt.sublayer(state, p, config, halve)
+    mt.collapse(state).float().sum().backward()
+    assert np.array_equal(tx.grad.numpy(), np.asarray(want[0]))
+    for got_p, want_p in zip(tparams, want[1], strict=True):
+        for a, b in zip(got_p, want_p, strict=True):
+            assert np.array_equal(a.grad.numpy(), np.asarray(b))
