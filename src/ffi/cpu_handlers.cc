@@ -1,16 +1,25 @@
 // XLA FFI handlers for the CPU platform, and the nanobind module that hands their capsules to
-// Python (mhc/_ffi.py registers them with jax.ffi). Each handler only converts XLA buffers and
-// attributes into mhc views and a Config, calls the public C++ operation, and turns mhc::Error
-// into an FFI InvalidArgument error; the operations validate everything themselves.
+// Python (mhc/_ffi.py registers them with jax.ffi), all generated from the declared operations
+// (operations.h). Each handler only converts XLA buffers and attributes into mhc views and a
+// Config, calls the public C++ operation, and turns mhc::Error into an FFI InvalidArgument error;
+// the operations validate everything themselves. The module's run() calls the same operations
+// on host arrays, for bindings other than JAX (mhc.torch).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
 
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
 
+#include <array>
 #include <atomic>
 #include <functional>
+#include <iterator>
+#include <string>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "../cpu/thread_pool.h"
 #include "handler_common.h"
@@ -18,15 +27,15 @@
 #include "mhc/roofline.h"
 
 namespace ffi = xla::ffi;
-using mhc_ffi::grads_out;
+using mhc_ffi::ArgBuffer;
+using mhc_ffi::call_flat;
+using mhc_ffi::Decoded;
+using mhc_ffi::ffi_entry;
 using mhc_ffi::guarded;
 using mhc_ffi::handler_binding;
-using mhc_ffi::in;
-using mhc_ffi::make_config;
-using mhc_ffi::out;
-using mhc_ffi::params_in;
-using mhc_ffi::post_backward_out;
-using mhc_ffi::pre_forward_out;
+using mhc_ffi::kOperationCount;
+using mhc_ffi::kOperations;
+using mhc_ffi::RetBuffer;
 
 namespace {
 
@@ -59,381 +68,165 @@ ffi::Error guarded_on(ffi::ThreadPool& pool, Body body) {
   return guarded(std::move(body));
 }
 
-ffi::Error PreForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer norm_weight,
-                          ffi::AnyBuffer phi, ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-                          ffi::Result<ffi::AnyBuffer> layer_in, ffi::Result<ffi::AnyBuffer> h_pre,
-                          ffi::Result<ffi::AnyBuffer> h_post, ffi::Result<ffi::AnyBuffer> h_res,
-                          MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward(make_config(xv, MHC_CONFIG_ARGS), xv, params_in(norm_weight, phi, alpha, bias),
-                     pre_forward_out(layer_in, h_pre, h_post, h_res));
-  });
+// The CPU handler of the declared operation kOperations[Op], the C++ function Function: its
+// buffers, then the config attributes (handler_binding), with XLA's thread pool as context.
+template <int Op, auto Function, class = std::make_index_sequence<kOperations[Op].input_count()>,
+          class = std::make_index_sequence<kOperations[Op].output_count()>>
+struct CpuHandler;
+template <int Op, auto Function, size_t... Input, size_t... Output>
+struct CpuHandler<Op, Function, std::index_sequence<Input...>, std::index_sequence<Output...>> {
+  static ffi::Error call(ffi::ThreadPool pool, ArgBuffer<Input>... args, RetBuffer<Output>... rets,
+                         MHC_CONFIG_PARAMS) {
+    return guarded_on(
+        pool, [&] { Decoded<Op>(args..., rets..., MHC_CONFIG_ARGS).template call<Function>(); });
+  }
+  static auto bind() {
+    return handler_binding<sizeof...(Input), sizeof...(Output)>(
+               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())
+        .To(call);
+  }
+};
+
+// An operation called from Python with host arrays (run below): the flat views and the config.
+using FlatCall = void (*)(const mhc::Config&, const mhc::TensorRef*, const mhc::MutableTensorRef*);
+
+template <int Op, auto Function>
+void call_declared(const mhc::Config& config, const mhc::TensorRef* inputs,
+                   const mhc::MutableTensorRef* outputs) {
+  call_flat<kOperations[Op].input_count(), kOperations[Op].output_count()>(Function, config, inputs,
+                                                                           outputs);
 }
 
-ffi::Error PostForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer layer_out,
-                           ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
-                           ffi::Result<ffi::AnyBuffer> result, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::post_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
-                      in(h_post, "h_post"), in(h_res, "h_res"), out(result, "out"));
-  });
+struct CpuOperation {
+  XLA_FFI_Handler* handler;
+  FlatCall call;
+};
+
+#define MHC_CPU_OPERATION(name, ...)                                   \
+  CpuOperation{&ffi_entry<CpuHandler<mhc_ffi::op_##name, &mhc::name>>, \
+               &call_declared<mhc_ffi::op_##name, &mhc::name>},
+// Every declared operation's CPU handler and direct call, in the order of kOperations.
+const CpuOperation kCpuOperations[] = {MHC_OPERATIONS(MHC_CPU_OPERATION)};
+#undef MHC_CPU_OPERATION
+static_assert(std::size(kCpuOperations) == kOperationCount);
+
+}  // namespace
+
+namespace {
+
+namespace nb = nanobind;
+
+nb::tuple strings(const char* const* names, int count) {
+  nb::list list;
+  for (int index = 0; index < count; ++index) list.append(names[index]);
+  return nb::tuple(list);
 }
 
-ffi::Error PostBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::AnyBuffer x,
-                            ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
-                            ffi::Result<ffi::AnyBuffer> dx_partial,
-                            ffi::Result<ffi::AnyBuffer> dlayer_out,
-                            ffi::Result<ffi::AnyBuffer> dh_post, ffi::Result<ffi::AnyBuffer> dh_res,
-                            MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::post_backward(make_config(xv, MHC_CONFIG_ARGS), in(g, "g"), xv, in(layer_out, "layer_out"),
-                       in(h_post, "h_post"), in(h_res, "h_res"),
-                       post_backward_out(dx_partial, dlayer_out, dh_post, dh_res));
-  });
+nb::list operations() {
+  nb::list table;
+  for (const mhc_ffi::Operation& op : kOperations) {
+    const int outputs = op.output_count();
+    const char* names[mhc_ffi::kMaxOutputs];
+    const char* shapes[mhc_ffi::kMaxOutputs];
+    const char* dtypes[mhc_ffi::kMaxOutputs];
+    for (int index = 0; index < outputs; ++index) {
+      names[index] = op.outputs[index].name;
+      shapes[index] = op.outputs[index].shape;
+      dtypes[index] = op.outputs[index].dtype;
+    }
+    const char* cpu_cuda[] = {"cpu", "cuda"};
+    nb::dict entry;
+    entry["name"] = op.name;
+    entry["target"] = op.target;
+    entry["inputs"] = strings(op.inputs, op.input_count());
+    entry["outputs"] = strings(names, outputs);
+    entry["output_shapes"] = strings(shapes, outputs);
+    entry["output_dtypes"] = strings(dtypes, outputs);
+    entry["platforms"] = strings(cpu_cuda, op.platforms.cuda ? 2 : 1);
+    table.append(entry);
+  }
+  return table;
 }
 
-ffi::Error PreBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in,
-                           ffi::AnyBuffer dx_partial, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res,
-                           ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-                           ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-                           ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dnorm_weight,
-                           ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
-                           ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
-                      in(dx_partial, "dx_partial"), in(dh_post, "dh_post"), in(dh_res, "dh_res"),
-                      xv, params_in(norm_weight, phi, alpha, bias), out(dx, "dx"),
-                      grads_out(dnorm_weight, dphi, dalpha, dbias));
-  });
+// One host array of run() as an mhc view, or mhc::Error naming the operation and the argument.
+template <class View, class Array>
+View host_view(nb::handle object, const mhc_ffi::Operation& op, const char* name) {
+  Array array;
+  if (!nb::try_cast(object, array, /*convert=*/false)) {
+    const bool output = std::is_same_v<View, mhc::MutableTensorRef>;
+    throw mhc::Error(op.c_name, name,
+                     std::string("expected ") + (output ? "a writable " : "an ") +
+                         "array (DLPack or buffer protocol), got " +
+                         nb::cast<std::string>(nb::str(object.type())));
+  }
+  if (array.device_type() != nb::device::cpu::value) {
+    throw mhc::Error(op.c_name, name, "expected an array in host memory (CPU)");
+  }
+  static constexpr mhc::DType f32 = mhc::DType::f32;
+  static constexpr mhc::DType bf16 = mhc::DType::bf16;
+  constexpr nb::dlpack::dtype kBfloat16{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16,
+                                        1};
+  const mhc::DType* dtype = array.dtype() == nb::dtype<float>() ? &f32
+                            : array.dtype() == kBfloat16        ? &bf16
+                                                                : nullptr;
+  std::vector<int64_t> dims(array.ndim());
+  int64_t contiguous_stride = 1;
+  bool contiguous = true;
+  for (size_t axis = array.ndim(); axis-- > 0;) {
+    dims[axis] = static_cast<int64_t>(array.shape(axis));
+    if (dims[axis] != 1 && array.stride(axis) != contiguous_stride) contiguous = false;
+    contiguous_stride *= dims[axis];
+  }
+  if (!contiguous && contiguous_stride != 0) {
+    throw mhc::Error(op.c_name, name, "expected a C-contiguous array");
+  }
+  return mhc_ffi::make_view<View>(array.data(), dtype, dims, op.c_name, name);
 }
 
-ffi::Error PreForwardPartialsImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                                  ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-                                  ffi::Result<ffi::AnyBuffer> partials, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward_partials(make_config(xv, MHC_CONFIG_ARGS), xv, in(norm_weight, "norm_weight"),
-                              in(phi, "phi"), out(partials, "partials"));
-  });
-}
-
-ffi::Error PreForwardFinishImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer partials,
-                                ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-                                ffi::Result<ffi::AnyBuffer> layer_in,
-                                ffi::Result<ffi::AnyBuffer> h_pre,
-                                ffi::Result<ffi::AnyBuffer> h_post,
-                                ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward_finish(make_config(xv, MHC_CONFIG_ARGS), xv, in(partials, "partials"),
-                            in(alpha, "alpha"), in(bias, "bias"),
-                            pre_forward_out(layer_in, h_pre, h_post, h_res));
-  });
-}
-
-ffi::Error PreBackwardPartialsImpl(ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
-                                   ffi::Result<ffi::AnyBuffer> dh_pre, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward_partials(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), xv,
-                               out(dh_pre, "dh_pre"));
-  });
-}
-
-ffi::Error PreBackwardFinishImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
-    ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
-    ffi::AnyBuffer partials, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dnorm_weight,
-    ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
-    ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward_finish(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
-                             in(dx_partial, "dx_partial"), in(dh_pre, "dh_pre"),
-                             in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-                             in(partials, "partials"), params_in(norm_weight, phi, alpha, bias),
-                             out(dx, "dx"), grads_out(dnorm_weight, dphi, dalpha, dbias));
-  });
-}
-
-ffi::Error BoundaryForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer layer_out,
-                               ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
-                               ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-                               ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> x_next,
-                               ffi::Result<ffi::AnyBuffer> layer_in,
-                               ffi::Result<ffi::AnyBuffer> h_pre,
-                               ffi::Result<ffi::AnyBuffer> next_h_post,
-                               ffi::Result<ffi::AnyBuffer> next_h_res, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::boundary_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
-                          in(h_post, "h_post"), in(h_res, "h_res"),
-                          params_in(norm_weight, phi, alpha, bias), out(x_next, "x_next"),
-                          {out(layer_in, "layer_in"), out(h_pre, "h_pre"),
-                           out(next_h_post, "next_h_post"), out(next_h_res, "next_h_res")});
-  });
-}
-
-ffi::Error BoundaryBackwardImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer next_dlayer_in, ffi::AnyBuffer next_dx_partial,
-    ffi::AnyBuffer next_dh_post, ffi::AnyBuffer next_dh_res, ffi::AnyBuffer x,
-    ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
-    ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-    ffi::Result<ffi::AnyBuffer> dx_partial, ffi::Result<ffi::AnyBuffer> dlayer_out,
-    ffi::Result<ffi::AnyBuffer> dh_post, ffi::Result<ffi::AnyBuffer> dh_res,
-    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
-    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::boundary_backward(make_config(xv, MHC_CONFIG_ARGS), in(next_dlayer_in, "next_dlayer_in"),
-                           in(next_dx_partial, "next_dx_partial"), in(next_dh_post, "next_dh_post"),
-                           in(next_dh_res, "next_dh_res"), xv, in(layer_out, "layer_out"),
-                           in(h_post, "h_post"), in(h_res, "h_res"),
-                           params_in(norm_weight, phi, alpha, bias),
-                           post_backward_out(dx_partial, dlayer_out, dh_post, dh_res),
-                           grads_out(dnorm_weight, dphi, dalpha, dbias));
-  });
-}
-
-ffi::Error HeadForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer fn,
-                           ffi::AnyBuffer base, ffi::AnyBuffer scale,
-                           ffi::Result<ffi::AnyBuffer> result, ffi::Result<ffi::AnyBuffer> gates,
-                           MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::head_forward(make_config(xv, MHC_CONFIG_ARGS), xv,
-                      {in(fn, "fn"), in(base, "base"), in(scale, "scale")}, out(result, "out"),
-                      out(gates, "gates"));
-  });
-}
-
-ffi::Error HeadBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer x,
-                            ffi::AnyBuffer fn, ffi::AnyBuffer base, ffi::AnyBuffer scale,
-                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dfn,
-                            ffi::Result<ffi::AnyBuffer> dbase, ffi::Result<ffi::AnyBuffer> dscale,
-                            MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::head_backward(make_config(xv, MHC_CONFIG_ARGS), in(dout, "dout"), xv,
-                       {in(fn, "fn"), in(base, "base"), in(scale, "scale")}, out(dx, "dx"),
-                       {out(dfn, "dfn"), out(dbase, "dbase"), out(dscale, "dscale")});
-  });
-}
-
-// DeepSeek-V4.1's carried mix (mhc/ops.h): carried is f32 [T, n], or [T, 0] for the one-hot on
-// stream 0 (then dcarried is [T, 0] as well).
-ffi::Error PreForwardCarriedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer carried,
-                                 ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-                                 ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-                                 ffi::Result<ffi::AnyBuffer> layer_in,
-                                 ffi::Result<ffi::AnyBuffer> h_pre,
-                                 ffi::Result<ffi::AnyBuffer> h_post,
-                                 ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward_carried(make_config(xv, MHC_CONFIG_ARGS), xv, in(carried, "carried"),
-                             params_in(norm_weight, phi, alpha, bias),
-                             pre_forward_out(layer_in, h_pre, h_post, h_res));
-  });
-}
-
-ffi::Error PreBackwardCarriedImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
-    ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
-    ffi::AnyBuffer carried, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dcarried,
-    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
-    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward_carried(
-        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
-        in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-        in(carried, "carried"), params_in(norm_weight, phi, alpha, bias), out(dx, "dx"),
-        out(dcarried, "dcarried"), grads_out(dnorm_weight, dphi, dalpha, dbias));
-  });
-}
-
-ffi::Error CollapseForwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer carried,
-                               ffi::Result<ffi::AnyBuffer> result, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::collapse_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(carried, "carried"),
-                          out(result, "out"));
-  });
-}
-
-ffi::Error CollapseBackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer dout, ffi::AnyBuffer x,
-                                ffi::AnyBuffer carried, ffi::Result<ffi::AnyBuffer> dx,
-                                ffi::Result<ffi::AnyBuffer> dcarried, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::collapse_backward(make_config(xv, MHC_CONFIG_ARGS), in(dout, "dout"), xv,
-                           in(carried, "carried"), out(dx, "dx"), out(dcarried, "dcarried"));
-  });
-}
-
-ffi::Error BoundaryForwardCarriedImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_pre,
-    ffi::AnyBuffer h_post, ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-    ffi::AnyBuffer alpha, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> x_next,
-    ffi::Result<ffi::AnyBuffer> layer_in, ffi::Result<ffi::AnyBuffer> next_h_pre,
-    ffi::Result<ffi::AnyBuffer> next_h_post, ffi::Result<ffi::AnyBuffer> next_h_res,
-    MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::boundary_forward_carried(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
-                                  in(h_pre, "h_pre"), in(h_post, "h_post"), in(h_res, "h_res"),
-                                  params_in(norm_weight, phi, alpha, bias), out(x_next, "x_next"),
-                                  {out(layer_in, "layer_in"), out(next_h_pre, "next_h_pre"),
-                                   out(next_h_post, "next_h_post"), out(next_h_res, "next_h_res")});
-  });
-}
-
-ffi::Error BoundaryBackwardCarriedImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer next_dlayer_in, ffi::AnyBuffer next_dx_partial,
-    ffi::AnyBuffer next_dh_pre, ffi::AnyBuffer next_dh_post, ffi::AnyBuffer next_dh_res,
-    ffi::AnyBuffer x, ffi::AnyBuffer layer_out, ffi::AnyBuffer h_pre, ffi::AnyBuffer h_post,
-    ffi::AnyBuffer h_res, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx_partial,
-    ffi::Result<ffi::AnyBuffer> dlayer_out, ffi::Result<ffi::AnyBuffer> dh_post,
-    ffi::Result<ffi::AnyBuffer> dh_res, ffi::Result<ffi::AnyBuffer> dh_pre,
-    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
-    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::boundary_backward_carried(
-        make_config(xv, MHC_CONFIG_ARGS), in(next_dlayer_in, "next_dlayer_in"),
-        in(next_dx_partial, "next_dx_partial"), in(next_dh_pre, "next_dh_pre"),
-        in(next_dh_post, "next_dh_post"), in(next_dh_res, "next_dh_res"), xv,
-        in(layer_out, "layer_out"), in(h_pre, "h_pre"), in(h_post, "h_post"), in(h_res, "h_res"),
-        params_in(norm_weight, phi, alpha, bias),
-        post_backward_out(dx_partial, dlayer_out, dh_post, dh_res), out(dh_pre, "dh_pre"),
-        grads_out(dnorm_weight, dphi, dalpha, dbias));
-  });
-}
-
-ffi::Error PreForwardFinishCarriedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x,
-                                       ffi::AnyBuffer partials, ffi::AnyBuffer carried,
-                                       ffi::AnyBuffer alpha, ffi::AnyBuffer bias,
-                                       ffi::Result<ffi::AnyBuffer> layer_in,
-                                       ffi::Result<ffi::AnyBuffer> h_pre,
-                                       ffi::Result<ffi::AnyBuffer> h_post,
-                                       ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_forward_finish_carried(make_config(xv, MHC_CONFIG_ARGS), xv, in(partials, "partials"),
-                                    in(carried, "carried"), in(alpha, "alpha"), in(bias, "bias"),
-                                    pre_forward_out(layer_in, h_pre, h_post, h_res));
-  });
-}
-
-ffi::Error PreBackwardFinishCarriedImpl(
-    ffi::ThreadPool pool, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
-    ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
-    ffi::AnyBuffer partials, ffi::AnyBuffer carried, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-    ffi::AnyBuffer alpha, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx,
-    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
-    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded_on(pool, [&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::pre_backward_finish_carried(
-        make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"),
-        in(dh_pre, "dh_pre"), in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv,
-        in(partials, "partials"), in(carried, "carried"), params_in(norm_weight, phi, alpha, bias),
-        out(dx, "dx"), grads_out(dnorm_weight, dphi, dalpha, dbias));
-  });
+void run(const std::string& name, nb::sequence inputs, nb::sequence outputs, int64_t n, int64_t mix,
+         int64_t sinkhorn_iters, float sinkhorn_eps, float rms_eps, float pre_eps, float post_scale,
+         int64_t tensor_parallel) {
+  int index = 0;
+  while (index < kOperationCount && name != kOperations[index].name) ++index;
+  if (index == kOperationCount) {
+    throw nb::value_error(("mhc.run: name: no operation named '" + name + "'").c_str());
+  }
+  const mhc_ffi::Operation& op = kOperations[index];
+  std::string failure;
+  try {
+    const auto check_count = [&](nb::sequence arrays, int expected, const char* what) {
+      const size_t given = nb::len(arrays);
+      if (given != static_cast<size_t>(expected)) {
+        throw mhc::Error(
+            op.c_name, what,
+            "expected " + std::to_string(expected) + " arrays, got " + std::to_string(given));
+      }
+    };
+    check_count(inputs, op.input_count(), "inputs");
+    check_count(outputs, op.output_count(), "outputs");
+    std::array<mhc::TensorRef, mhc_ffi::kMaxInputs> input_views;
+    std::array<mhc::MutableTensorRef, mhc_ffi::kMaxOutputs> output_views;
+    for (int k = 0; k < op.input_count(); ++k) {
+      input_views[k] = host_view<mhc::TensorRef, nb::ndarray<nb::ro>>(inputs[k], op, op.inputs[k]);
+    }
+    for (int k = 0; k < op.output_count(); ++k) {
+      output_views[k] =
+          host_view<mhc::MutableTensorRef, nb::ndarray<>>(outputs[k], op, op.outputs[k].name);
+    }
+    const mhc::Config config =
+        mhc_ffi::make_config(op.c_name, input_views[mhc_ffi::x_index(op)], n, mix, sinkhorn_iters,
+                             sinkhorn_eps, rms_eps, pre_eps, post_scale, tensor_parallel);
+    // The arrays stay alive in the caller's sequences while the kernel runs without the GIL.
+    nb::gil_scoped_release release;
+    kCpuOperations[index].call(config, input_views.data(), output_views.data());
+  } catch (const mhc::Error& error) {
+    failure = error.what();
+  }
+  if (!failure.empty()) throw nb::value_error(failure.c_str());
 }
 
 }  // namespace
 
-// x, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForward, PreForwardImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// x, layer_out, h_post, h_res -> out
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostForward, PostForwardImpl,
-                              (handler_binding<4, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// g, x, layer_out, h_post, h_res -> dx_partial, dlayer_out, dh_post, dh_res
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPostBackward, PostBackwardImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// dlayer_in, dx_partial, dh_post, dh_res, x, norm_weight, phi, alpha, bias
-//   -> dx, dnorm_weight, dphi, dalpha, dbias
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackward, PreBackwardImpl,
-                              (handler_binding<9, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// The fused boundary (mhc/ops.h), the next sublayer's parameters last:
-// x, layer_out, h_post, h_res, norm_weight, phi, alpha, bias
-//   -> x_next, layer_in, h_pre, next h_post, next h_res
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryForward, BoundaryForwardImpl,
-                              (handler_binding<8, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// next dlayer_in, next dx_partial, next dh_post, next dh_res, x, layer_out, h_post, h_res,
-// norm_weight, phi, alpha, bias
-//   -> dx_partial, dlayer_out, dh_post, dh_res, dnorm_weight, dphi, dalpha, dbias
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryBackward, BoundaryBackwardImpl,
-                              (handler_binding<12, 8>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// DeepSeek-V4's head: x, fn, base, scale -> out, gates
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcHeadForward, HeadForwardImpl,
-                              (handler_binding<4, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// dout, x, fn, base, scale -> dx, dfn, dbase, dscale
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcHeadBackward, HeadBackwardImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// Tensor-parallel split (D sliced across devices; mhc/ops.h):
-// x, norm_weight, phi -> partials
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardPartials, PreForwardPartialsImpl,
-                              (handler_binding<3, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// x, partials, alpha, bias -> layer_in, h_pre, h_post, h_res
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardFinish, PreForwardFinishImpl,
-                              (handler_binding<4, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// dlayer_in, x -> dh_pre
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardPartials, PreBackwardPartialsImpl,
-                              (handler_binding<2, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, norm_weight, phi, alpha, bias
-//   -> dx, dnorm_weight, dphi, dalpha, dbias
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardFinish, PreBackwardFinishImpl,
-                              (handler_binding<11, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// DeepSeek-V4.1's carried mix (CPU only), carried f32 [T, n] or [T, 0] for the one-hot:
-// x, carried, norm_weight, phi, alpha, bias -> layer_in, h_pre, h_post, h_res
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardCarried, PreForwardCarriedImpl,
-                              (handler_binding<6, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, norm_weight, phi, alpha, bias
-//   -> dx, dcarried, dnorm_weight, dphi, dalpha, dbias
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardCarried, PreBackwardCarriedImpl,
-                              (handler_binding<11, 6>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// x, carried -> out
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCollapseForward, CollapseForwardImpl,
-                              (handler_binding<2, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// dout, x, carried -> dx, dcarried
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCollapseBackward, CollapseBackwardImpl,
-                              (handler_binding<3, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// x, layer_out, h_pre, h_post, h_res, norm_weight, phi, alpha, bias
-//   -> x_next, layer_in, next h_pre, next h_post, next h_res
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryForwardCarried, BoundaryForwardCarriedImpl,
-                              (handler_binding<9, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// next dlayer_in, next dx_partial, next dh_pre, next dh_post, next dh_res, x, layer_out, h_pre,
-// h_post, h_res, norm_weight, phi, alpha, bias
-//   -> dx_partial, dlayer_out, dh_post, dh_res, dh_pre, dnorm_weight, dphi, dalpha, dbias
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcBoundaryBackwardCarried, BoundaryBackwardCarriedImpl,
-                              (handler_binding<14, 9>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// x, partials, carried, alpha, bias -> layer_in, h_pre, h_post, h_res
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreForwardFinishCarried, PreForwardFinishCarriedImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-// dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, partials, carried, norm_weight, phi, alpha,
-// bias -> dx, dnorm_weight, dphi, dalpha, dbias
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcPreBackwardFinishCarried, PreBackwardFinishCarriedImpl,
-                              (handler_binding<12, 5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-// The one registration table: target name -> handler. Python registers every entry.
 NB_MODULE(_mhc_cpu, module) {
   module.doc() = "XLA FFI handlers of mhc for the CPU platform";
   // glibc serves every block over its mmap threshold (at most 32 MiB, whatever mallopt asks) with
@@ -451,35 +244,28 @@ NB_MODULE(_mhc_cpu, module) {
     return false;
 #endif
   });
+  // Target name -> handler, for every declared operation: Python registers every entry.
   module.def("registrations", []() {
-    const std::pair<const char*, XLA_FFI_Handler*> handlers[] = {
-        {"mhc_pre_forward", MhcPreForward},
-        {"mhc_post_forward", MhcPostForward},
-        {"mhc_post_backward", MhcPostBackward},
-        {"mhc_pre_backward", MhcPreBackward},
-        {"mhc_boundary_forward", MhcBoundaryForward},
-        {"mhc_boundary_backward", MhcBoundaryBackward},
-        {"mhc_head_forward", MhcHeadForward},
-        {"mhc_head_backward", MhcHeadBackward},
-        {"mhc_pre_forward_partials", MhcPreForwardPartials},
-        {"mhc_pre_forward_finish", MhcPreForwardFinish},
-        {"mhc_pre_backward_partials", MhcPreBackwardPartials},
-        {"mhc_pre_backward_finish", MhcPreBackwardFinish},
-        {"mhc_pre_forward_carried", MhcPreForwardCarried},
-        {"mhc_pre_backward_carried", MhcPreBackwardCarried},
-        {"mhc_collapse_forward", MhcCollapseForward},
-        {"mhc_collapse_backward", MhcCollapseBackward},
-        {"mhc_boundary_forward_carried", MhcBoundaryForwardCarried},
-        {"mhc_boundary_backward_carried", MhcBoundaryBackwardCarried},
-        {"mhc_pre_forward_finish_carried", MhcPreForwardFinishCarried},
-        {"mhc_pre_backward_finish_carried", MhcPreBackwardFinishCarried},
-    };
     nanobind::dict table;
-    for (const auto& [name, handler] : handlers) {
-      table[name] = nanobind::capsule(reinterpret_cast<void*>(handler));
+    for (int index = 0; index < kOperationCount; ++index) {
+      table[kOperations[index].target] =
+          nanobind::capsule(reinterpret_cast<void*>(kCpuOperations[index].handler));
     }
     return table;
   });
+  module.def(
+      "operations", &operations,
+      "The declared operations (src/ffi/operations.h): one dict per operation, with its name, "
+      "FFI target, inputs, outputs, each output's shape and dtype rule, and platforms.");
+  module.def("run", &run, nanobind::arg("name"), nanobind::arg("inputs"), nanobind::arg("outputs"),
+             nanobind::arg("n"), nanobind::arg("mix"), nanobind::arg("sinkhorn_iters"),
+             nanobind::arg("sinkhorn_eps"), nanobind::arg("rms_eps"), nanobind::arg("pre_eps"),
+             nanobind::arg("post_scale"), nanobind::arg("tensor_parallel"),
+             "Runs the operation `name` (operations()) on host arrays (DLPack or the buffer "
+             "protocol: numpy arrays, torch CPU tensors; float32 or bfloat16, C-contiguous), "
+             "writing its outputs, preallocated by the caller, in place. The config as the FFI "
+             "attributes; the GIL is released while the kernel runs on mhc's thread pool. Bad "
+             "input raises ValueError naming the operation and the argument.");
   // The library's thread count and the roofline ceilings, for mhc.bench and users' own timing.
   module.def("set_num_threads", &mhc::set_num_threads, nanobind::arg("threads"));
   module.def("num_threads", &mhc::num_threads);

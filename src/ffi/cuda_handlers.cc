@@ -1,7 +1,8 @@
 // XLA FFI handlers for the CUDA platform, in their own nanobind module (_mhc_cuda) so that the
-// CPU module imports on machines without CUDA. Same target names and attributes as the CPU
-// handlers (cpu_handlers.cc); mhc/_ffi.py registers these for platform "CUDA". Each handler
-// launches on XLA's stream and takes the pre operations' workspace from XLA's scratch allocator.
+// CPU module imports on machines without CUDA. Generated from the declared operations
+// (operations.h) whose platforms include cuda: same target names and attributes as the CPU
+// handlers; mhc/_ffi.py registers these for platform "CUDA". Each handler launches on XLA's
+// stream and takes the pre operations' workspace from XLA's scratch allocator.
 //
 // STATUS: compiled and linked in CI; not yet run on a GPU.
 #include <cuda_runtime.h>
@@ -11,11 +12,13 @@
 #include "mhc/cuda.h"
 
 namespace ffi = xla::ffi;
+using mhc_ffi::ArgBuffer;
+using mhc_ffi::Decoded;
+using mhc_ffi::ffi_entry;
 using mhc_ffi::guarded;
 using mhc_ffi::handler_binding;
-using mhc_ffi::in;
-using mhc_ffi::make_config;
-using mhc_ffi::out;
+using mhc_ffi::kOperations;
+using mhc_ffi::RetBuffer;
 
 namespace {
 
@@ -31,180 +34,65 @@ mhc::cuda::Workspace scratch_workspace(ffi::ScratchAllocator& scratch, int64_t b
   return mhc::cuda::Workspace{*data, bytes};
 }
 
-ffi::Error PreForwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                          ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-                          ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> layer_in,
-                          ffi::Result<ffi::AnyBuffer> h_pre, ffi::Result<ffi::AnyBuffer> h_post,
-                          ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
-    const mhc::cuda::Workspace workspace =
-        scratch_workspace(scratch, mhc::cuda::pre_forward_workspace_bytes(config, xv.shape[0]));
-    mhc::cuda::pre_forward(
-        config, xv,
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
-         out(h_res, "h_res")},
-        workspace, stream);
-  });
-}
+// The CUDA handler of the declared operation kOperations[Op], the function Function: XLA's stream
+// as context, and where WorkspaceBytes is given (platforms cpu_cuda_scratch) XLA's scratch
+// allocator, from which the call's workspace comes; then its buffers and the config attributes.
+template <int Op, auto Function, auto WorkspaceBytes = nullptr,
+          class = std::make_index_sequence<kOperations[Op].input_count()>,
+          class = std::make_index_sequence<kOperations[Op].output_count()>>
+struct CudaHandler;
+template <int Op, auto Function, auto WorkspaceBytes, size_t... Input, size_t... Output>
+struct CudaHandler<Op, Function, WorkspaceBytes, std::index_sequence<Input...>,
+                   std::index_sequence<Output...>> {
+  static ffi::Error call(cudaStream_t stream, ArgBuffer<Input>... args, RetBuffer<Output>... rets,
+                         MHC_CONFIG_PARAMS) {
+    return guarded(
+        [&] { Decoded<Op>(args..., rets..., MHC_CONFIG_ARGS).template call<Function>(stream); });
+  }
+  static ffi::Error call_with_scratch(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                      ArgBuffer<Input>... args, RetBuffer<Output>... rets,
+                                      MHC_CONFIG_PARAMS) {
+    return guarded([&] {
+      const Decoded<Op> decoded(args..., rets..., MHC_CONFIG_ARGS);
+      const int64_t tokens = decoded.inputs[mhc_ffi::x_index(decoded.op)].shape[0];
+      const mhc::cuda::Workspace workspace =
+          scratch_workspace(scratch, WorkspaceBytes(decoded.config, tokens));
+      decoded.template call<Function>(workspace, stream);
+    });
+  }
+  static auto bind() {
+    constexpr size_t inputs = sizeof...(Input), outputs = sizeof...(Output);
+    if constexpr (WorkspaceBytes == nullptr) {
+      return handler_binding<inputs, outputs>(ffi::Ffi::Bind().Ctx<Stream>()).To(call);
+    } else {
+      return handler_binding<inputs, outputs>(
+                 ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())
+          .To(call_with_scratch);
+    }
+  }
+};
 
-ffi::Error PostForwardImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer layer_out,
-                           ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
-                           ffi::Result<ffi::AnyBuffer> result, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::cuda::post_forward(make_config(xv, MHC_CONFIG_ARGS), xv, in(layer_out, "layer_out"),
-                            in(h_post, "h_post"), in(h_res, "h_res"), out(result, "out"), stream);
-  });
-}
-
-ffi::Error PostBackwardImpl(cudaStream_t stream, ffi::AnyBuffer g, ffi::AnyBuffer x,
-                            ffi::AnyBuffer layer_out, ffi::AnyBuffer h_post, ffi::AnyBuffer h_res,
-                            ffi::Result<ffi::AnyBuffer> dx_partial,
-                            ffi::Result<ffi::AnyBuffer> dlayer_out,
-                            ffi::Result<ffi::AnyBuffer> dh_post, ffi::Result<ffi::AnyBuffer> dh_res,
-                            MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::cuda::post_backward(make_config(xv, MHC_CONFIG_ARGS), in(g, "g"), xv,
-                             in(layer_out, "layer_out"), in(h_post, "h_post"), in(h_res, "h_res"),
-                             {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"),
-                              out(dh_post, "dh_post"), out(dh_res, "dh_res")},
-                             stream);
-  });
-}
-
-ffi::Error PreBackwardImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                           ffi::AnyBuffer dlayer_in, ffi::AnyBuffer dx_partial,
-                           ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res, ffi::AnyBuffer x,
-                           ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi, ffi::AnyBuffer alpha,
-                           ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx,
-                           ffi::Result<ffi::AnyBuffer> dnorm_weight,
-                           ffi::Result<ffi::AnyBuffer> dphi, ffi::Result<ffi::AnyBuffer> dalpha,
-                           ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
-    const mhc::cuda::Workspace workspace =
-        scratch_workspace(scratch, mhc::cuda::pre_backward_workspace_bytes(config, xv.shape[0]));
-    mhc::cuda::pre_backward(
-        config, in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"), in(dh_post, "dh_post"),
-        in(dh_res, "dh_res"), xv,
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(dx, "dx"),
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")},
-        workspace, stream);
-  });
-}
-
-ffi::Error PreForwardPartialsImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                                  ffi::AnyBuffer x, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-                                  ffi::Result<ffi::AnyBuffer> partials, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
-    const mhc::cuda::Workspace workspace = scratch_workspace(
-        scratch, mhc::cuda::pre_forward_partials_workspace_bytes(config, xv.shape[0]));
-    mhc::cuda::pre_forward_partials(config, xv, in(norm_weight, "norm_weight"), in(phi, "phi"),
-                                    out(partials, "partials"), workspace, stream);
-  });
-}
-
-ffi::Error PreForwardFinishImpl(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                                ffi::AnyBuffer x, ffi::AnyBuffer partials, ffi::AnyBuffer alpha,
-                                ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> layer_in,
-                                ffi::Result<ffi::AnyBuffer> h_pre,
-                                ffi::Result<ffi::AnyBuffer> h_post,
-                                ffi::Result<ffi::AnyBuffer> h_res, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
-    const mhc::cuda::Workspace workspace = scratch_workspace(
-        scratch, mhc::cuda::pre_forward_finish_workspace_bytes(config, xv.shape[0]));
-    mhc::cuda::pre_forward_finish(config, xv, in(partials, "partials"), in(alpha, "alpha"),
-                                  in(bias, "bias"),
-                                  {out(layer_in, "layer_in"), out(h_pre, "h_pre"),
-                                   out(h_post, "h_post"), out(h_res, "h_res")},
-                                  workspace, stream);
-  });
-}
-
-ffi::Error PreBackwardPartialsImpl(cudaStream_t stream, ffi::AnyBuffer dlayer_in, ffi::AnyBuffer x,
-                                   ffi::Result<ffi::AnyBuffer> dh_pre, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    mhc::cuda::pre_backward_partials(make_config(xv, MHC_CONFIG_ARGS), in(dlayer_in, "dlayer_in"),
-                                     xv, out(dh_pre, "dh_pre"), stream);
-  });
-}
-
-ffi::Error PreBackwardFinishImpl(
-    cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dlayer_in,
-    ffi::AnyBuffer dx_partial, ffi::AnyBuffer dh_pre, ffi::AnyBuffer dh_post, ffi::AnyBuffer dh_res,
-    ffi::AnyBuffer x, ffi::AnyBuffer partials, ffi::AnyBuffer norm_weight, ffi::AnyBuffer phi,
-    ffi::AnyBuffer alpha, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> dx,
-    ffi::Result<ffi::AnyBuffer> dnorm_weight, ffi::Result<ffi::AnyBuffer> dphi,
-    ffi::Result<ffi::AnyBuffer> dalpha, ffi::Result<ffi::AnyBuffer> dbias, MHC_CONFIG_PARAMS) {
-  return guarded([&] {
-    const mhc::TensorRef xv = in(x, "x");
-    const mhc::Config config = make_config(xv, MHC_CONFIG_ARGS);
-    const mhc::cuda::Workspace workspace = scratch_workspace(
-        scratch, mhc::cuda::pre_backward_finish_workspace_bytes(config, xv.shape[0]));
-    mhc::cuda::pre_backward_finish(
-        config, in(dlayer_in, "dlayer_in"), in(dx_partial, "dx_partial"), in(dh_pre, "dh_pre"),
-        in(dh_post, "dh_post"), in(dh_res, "dh_res"), xv, in(partials, "partials"),
-        {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")},
-        out(dx, "dx"),
-        {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-         out(dbias, "dbias")},
-        workspace, stream);
-  });
-}
+// The operations whose platforms include cuda (operations.h), as target -> handler.
+#define MHC_CUDA_HANDLER_cpu(name)
+#define MHC_CUDA_HANDLER_cpu_cuda(name) \
+  {"mhc_" #name, &ffi_entry<CudaHandler<mhc_ffi::op_##name, &mhc::cuda::name>>},
+#define MHC_CUDA_HANDLER_cpu_cuda_scratch(name) \
+  {"mhc_" #name,                                \
+   &ffi_entry<                                  \
+       CudaHandler<mhc_ffi::op_##name, &mhc::cuda::name, &mhc::cuda::name##_workspace_bytes>>},
+#define MHC_CUDA_HANDLER(name, platforms, ...) MHC_CUDA_HANDLER_##platforms(name)
+const std::pair<const char*, XLA_FFI_Handler*> kCudaHandlers[] = {MHC_OPERATIONS(MHC_CUDA_HANDLER)};
+#undef MHC_CUDA_HANDLER
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MhcCudaPreForward, PreForwardImpl,
-    (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCudaPostForward, PostForwardImpl,
-                              (handler_binding<4, 1>(ffi::Ffi::Bind().Ctx<Stream>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCudaPostBackward, PostBackwardImpl,
-                              (handler_binding<5, 4>(ffi::Ffi::Bind().Ctx<Stream>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MhcCudaPreBackward, PreBackwardImpl,
-    (handler_binding<9, 5>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MhcCudaPreForwardPartials, PreForwardPartialsImpl,
-    (handler_binding<3, 1>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MhcCudaPreForwardFinish, PreForwardFinishImpl,
-    (handler_binding<4, 4>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MhcCudaPreBackwardPartials, PreBackwardPartialsImpl,
-                              (handler_binding<2, 1>(ffi::Ffi::Bind().Ctx<Stream>())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MhcCudaPreBackwardFinish, PreBackwardFinishImpl,
-    (handler_binding<11, 5>(ffi::Ffi::Bind().Ctx<Stream>().Ctx<ffi::ScratchAllocator>())));
 
 NB_MODULE(_mhc_cuda, module) {
   module.doc() = "XLA FFI handlers of mhc for the CUDA platform (unverified on a GPU)";
   module.def("registrations", []() {
     nanobind::dict table;
-    table["mhc_pre_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreForward));
-    table["mhc_post_forward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCudaPostForward));
-    table["mhc_post_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCudaPostBackward));
-    table["mhc_pre_backward"] = nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreBackward));
-    table["mhc_pre_forward_partials"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreForwardPartials));
-    table["mhc_pre_forward_finish"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreForwardFinish));
-    table["mhc_pre_backward_partials"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreBackwardPartials));
-    table["mhc_pre_backward_finish"] =
-        nanobind::capsule(reinterpret_cast<void*>(MhcCudaPreBackwardFinish));
+    for (const auto& [target, handler] : kCudaHandlers) {
+      table[target] = nanobind::capsule(reinterpret_cast<void*>(handler));
+    }
     return table;
   });
   module.def("device_available", &mhc::cuda::device_available);

@@ -1,7 +1,10 @@
 // What the CPU and CUDA handler files share: XLA buffers to mhc views, the config from the
-// attributes, exceptions to FFI errors, and the handlers' binding (buffers, then attributes).
+// attributes, exceptions to FFI errors, the handlers' binding (buffers, then attributes), and the
+// decoding of one declared operation's buffers (operations.h).
 #pragma once
 
+#include <array>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <utility>
@@ -10,87 +13,65 @@
 #include "mhc/error.h"
 #include "mhc/ops.h"
 #include "mhc/tensor.h"
+#include "operations.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+#define MHC_CONFIG_PARAMS                                                                  \
+  int64_t n, int64_t mix, int64_t iters, float sinkhorn_eps, float rms_eps, float pre_eps, \
+      float post_scale, int64_t tensor_parallel
+#define MHC_CONFIG_ARGS n, mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale, tensor_parallel
+
 namespace mhc_ffi {
 
-inline constexpr const char* kOp = "mhc ffi";
-
-inline mhc::DType dtype_of(ffi::DataType type, const char* name) {
-  if (type == ffi::DataType::F32) return mhc::DType::f32;
-  if (type == ffi::DataType::BF16) return mhc::DType::bf16;
-  throw mhc::Error(kOp, name, "expected dtype float32 or bfloat16");
-}
-
-template <class View, class Pointer>
-View make_view(Pointer data, ffi::DataType type, ffi::Span<const int64_t> dims, const char* name) {
+// An mhc view of data whose dtype (already mapped: f32, bf16, or nullptr for any other) and
+// dims the caller read; errors name the operation (op) and the argument.
+template <class View, class Pointer, class Dims>
+View make_view(Pointer data, const mhc::DType* dtype, const Dims& dims, const char* op,
+               const char* name) {
+  if (dtype == nullptr) throw mhc::Error(op, name, "expected dtype float32 or bfloat16");
   if (dims.size() > static_cast<size_t>(mhc::kMaxRank)) {
-    throw mhc::Error(kOp, name, "expected at most 4 dimensions");
+    throw mhc::Error(op, name, "expected at most 4 dimensions");
   }
   View view;
   view.data = data;
-  view.dtype = dtype_of(type, name);
+  view.dtype = *dtype;
   view.rank = static_cast<int>(dims.size());
   for (size_t axis = 0; axis < dims.size(); ++axis) view.shape[axis] = dims[axis];
   return view;
 }
 
-inline mhc::TensorRef in(const ffi::AnyBuffer& buffer, const char* name) {
-  return make_view<mhc::TensorRef>(buffer.untyped_data(), buffer.element_type(),
-                                   buffer.dimensions(), name);
+inline const mhc::DType* dtype_of(ffi::DataType type) {
+  static constexpr mhc::DType f32 = mhc::DType::f32;
+  static constexpr mhc::DType bf16 = mhc::DType::bf16;
+  if (type == ffi::DataType::F32) return &f32;
+  if (type == ffi::DataType::BF16) return &bf16;
+  return nullptr;
 }
 
-inline mhc::MutableTensorRef out(ffi::Result<ffi::AnyBuffer>& buffer, const char* name) {
-  return make_view<mhc::MutableTensorRef>(buffer->untyped_data(), buffer->element_type(),
-                                          buffer->dimensions(), name);
+inline mhc::TensorRef in(const ffi::AnyBuffer& buffer, const char* op, const char* name) {
+  return make_view<mhc::TensorRef>(buffer.untyped_data(), dtype_of(buffer.element_type()),
+                                   buffer.dimensions(), op, name);
 }
 
-// The argument groups that the handlers of the pre operations, the boundaries and their V4.1
-// forms share, decoded under the names every handler gives them: the parameters (norm_weight, phi,
-// alpha, bias, bound in this order), their gradients, and the outputs of the pre forward and of
-// the post backward.
-inline mhc::Params params_in(const ffi::AnyBuffer& norm_weight, const ffi::AnyBuffer& phi,
-                             const ffi::AnyBuffer& alpha, const ffi::AnyBuffer& bias) {
-  return {in(norm_weight, "norm_weight"), in(phi, "phi"), in(alpha, "alpha"), in(bias, "bias")};
-}
-
-inline mhc::ParamGrads grads_out(ffi::Result<ffi::AnyBuffer>& dnorm_weight,
-                                 ffi::Result<ffi::AnyBuffer>& dphi,
-                                 ffi::Result<ffi::AnyBuffer>& dalpha,
-                                 ffi::Result<ffi::AnyBuffer>& dbias) {
-  return {out(dnorm_weight, "dnorm_weight"), out(dphi, "dphi"), out(dalpha, "dalpha"),
-          out(dbias, "dbias")};
-}
-
-inline mhc::PreForwardOutputs pre_forward_out(ffi::Result<ffi::AnyBuffer>& layer_in,
-                                              ffi::Result<ffi::AnyBuffer>& h_pre,
-                                              ffi::Result<ffi::AnyBuffer>& h_post,
-                                              ffi::Result<ffi::AnyBuffer>& h_res) {
-  return {out(layer_in, "layer_in"), out(h_pre, "h_pre"), out(h_post, "h_post"),
-          out(h_res, "h_res")};
-}
-
-inline mhc::PostBackwardOutputs post_backward_out(ffi::Result<ffi::AnyBuffer>& dx_partial,
-                                                  ffi::Result<ffi::AnyBuffer>& dlayer_out,
-                                                  ffi::Result<ffi::AnyBuffer>& dh_post,
-                                                  ffi::Result<ffi::AnyBuffer>& dh_res) {
-  return {out(dx_partial, "dx_partial"), out(dlayer_out, "dlayer_out"), out(dh_post, "dh_post"),
-          out(dh_res, "dh_res")};
+inline mhc::MutableTensorRef out(ffi::Result<ffi::AnyBuffer>& buffer, const char* op,
+                                 const char* name) {
+  return make_view<mhc::MutableTensorRef>(buffer->untyped_data(), dtype_of(buffer->element_type()),
+                                          buffer->dimensions(), op, name);
 }
 
 // The config travels as attributes; D is the last dimension of x times the number of slices.
-inline mhc::Config make_config(const mhc::TensorRef& x, int64_t n, int64_t mix, int64_t iters,
-                               float sinkhorn_eps, float rms_eps, float pre_eps, float post_scale,
-                               int64_t tensor_parallel) {
-  if (x.rank != 3) throw mhc::Error(kOp, "x", "expected rank 3 [T, n, D], got " + x.shape_string());
+inline mhc::Config make_config(const char* op, const mhc::TensorRef& x, int64_t n, int64_t mix,
+                               int64_t iters, float sinkhorn_eps, float rms_eps, float pre_eps,
+                               float post_scale, int64_t tensor_parallel) {
+  if (x.rank != 3) throw mhc::Error(op, "x", "expected rank 3 [T, n, D], got " + x.shape_string());
   if (mix != 0 && mix != 1)
-    throw mhc::Error(kOp, "mix", "expected 0 (sinkhorn) or 1 (permutations)");
+    throw mhc::Error(op, "mix", "expected 0 (sinkhorn) or 1 (permutations)");
   constexpr int64_t kMaxSlices = int64_t{1} << 20;
   if (tensor_parallel < 1 || tensor_parallel > kMaxSlices) {
     throw mhc::Error(
-        kOp, "tensor_parallel",
+        op, "tensor_parallel",
         "expected 1 <= tensor_parallel <= 2^20, got " + std::to_string(tensor_parallel));
   }
   mhc::Config config;
@@ -142,9 +123,59 @@ auto handler_binding(Binding binding) {
   }
 }
 
-}  // namespace mhc_ffi
+constexpr bool same_name(const char* a, const char* b) {
+  while (*a != '\0' && *a == *b) ++a, ++b;
+  return *a == *b;
+}
 
-#define MHC_CONFIG_PARAMS                                                                  \
-  int64_t n, int64_t mix, int64_t iters, float sinkhorn_eps, float rms_eps, float pre_eps, \
-      float post_scale, int64_t tensor_parallel
-#define MHC_CONFIG_ARGS n, mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale, tensor_parallel
+// Where x is among an operation's inputs: every operation takes it, and the config's D is read
+// from it.
+constexpr int x_index(const Operation& op) {
+  for (int index = 0; index < op.input_count(); ++index) {
+    if (same_name(op.inputs[index], "x")) return index;
+  }
+  return -1;
+}
+
+template <size_t>
+using ArgBuffer = ffi::AnyBuffer;
+template <size_t>
+using RetBuffer = ffi::Result<ffi::AnyBuffer>;
+
+// The buffers of the declared operation kOperations[Op] as mhc views and its config, decoded
+// from what its handler's binding (handler_binding<inputs, outputs>) passes.
+template <int Op, class = std::make_index_sequence<kOperations[Op].input_count()>,
+          class = std::make_index_sequence<kOperations[Op].output_count()>>
+struct Decoded;
+template <int Op, size_t... Input, size_t... Output>
+struct Decoded<Op, std::index_sequence<Input...>, std::index_sequence<Output...>> {
+  static constexpr const Operation& op = kOperations[Op];
+  static constexpr int kInputs = sizeof...(Input);
+  static constexpr int kOutputs = sizeof...(Output);
+  static_assert(x_index(op) >= 0, "every operation takes x");
+
+  Decoded(const ArgBuffer<Input>&... args, RetBuffer<Output>&... rets, MHC_CONFIG_PARAMS)
+      : inputs{in(args, op.c_name, op.inputs[Input])...},
+        outputs{out(rets, op.c_name, op.outputs[Output].name)...},
+        config(make_config(op.c_name, inputs[x_index(op)], MHC_CONFIG_ARGS)) {}
+
+  // Function(config, the views grouped as its parameters, extra...).
+  template <auto Function, class... Extra>
+  void call(Extra&&... extra) const {
+    call_flat<kInputs, kOutputs>(Function, config, inputs.data(), outputs.data(),
+                                 std::forward<Extra>(extra)...);
+  }
+
+  std::array<mhc::TensorRef, kInputs> inputs;
+  std::array<mhc::MutableTensorRef, kOutputs> outputs;
+  mhc::Config config;
+};
+
+// An XLA FFI handler (XLA_FFI_Handler*) for Handler, whose bind() returns its bound handler.
+template <class Handler>
+XLA_FFI_Error* ffi_entry(XLA_FFI_CallFrame* call_frame) {
+  static auto* handler = Handler::bind().release();
+  return handler->Call(call_frame);
+}
+
+}  // namespace mhc_ffi
