@@ -14,6 +14,19 @@ from mhc._operations import OPERATIONS, output_specs
 from mhc.jax._kernels.dispatch import _attributes, _ffi_call
 
 N_STREAMS, TOKENS, FEATURES = 4, 5, 24
+
+# The operations that exist, written out (not read from the table): a row removed from or added
+# to src/ffi/operations.h fails here until this list says so.
+PINNED_CUDA = (
+    "pre_forward", "post_forward", "post_backward", "pre_backward",
+    "pre_forward_partials", "pre_forward_finish", "pre_backward_partials", "pre_backward_finish",
+)  # fmt: skip
+PINNED_CPU = PINNED_CUDA + (
+    "boundary_forward", "boundary_backward", "head_forward", "head_backward",
+    "pre_forward_carried", "pre_backward_carried", "collapse_forward", "collapse_backward",
+    "boundary_forward_carried", "boundary_backward_carried",
+    "pre_forward_finish_carried", "pre_backward_finish_carried",
+)  # fmt: skip
 CONFIG = Config(n=N_STREAMS)
 
 
@@ -49,6 +62,12 @@ def _run(operation: dict, inputs: list) -> list:
     outputs = [np.full(shape, np.nan, dtype) for shape, dtype in output_specs(operation, inputs, np.float32)]
     _mhc_cpu.run(operation["name"], inputs, outputs, **_config_args(CONFIG))
     return outputs
+
+
+def test_operations_are_the_pinned_ones_on_their_platforms():
+    assert sorted(OPERATIONS) == sorted(PINNED_CPU)
+    assert sorted(name for name, op in OPERATIONS.items() if "cuda" in op["platforms"]) == sorted(PINNED_CUDA)
+    assert all(op["platforms"] in (("cpu",), ("cpu", "cuda")) for op in OPERATIONS.values())
 
 
 def test_operations_match_the_registrations_one_to_one():
