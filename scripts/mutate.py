@@ -101,6 +101,32 @@ MUTATIONS = (
         python=True,
     ),
     Mutation(
+        "run_reads_the_config_from_the_first_input",
+        "mhc._mhc_cpu.run takes D from the operation's first input instead of x (wrong wherever x is not first)",
+        (
+            Edit(
+                "src/ffi/cpu_handlers.cc",
+                "input_views[mhc_ffi::x_index(op)]",
+                "input_views[0]",
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_operation_table.py",),
+    ),
+    Mutation(
+        "declared_layer_in_f32",
+        "the operation table declares the pre forward's layer_in f32 whatever x's dtype (JAX allocates f32 for bf16 x)",
+        (
+            Edit(
+                "src/ffi/operations.h",
+                '{prefix "layer_in", "[T, D]", "dtype of x"}',
+                '{prefix "layer_in", "[T, D]", "f32"}',
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_kernels_vs_reference.py::test_outputs_and_gradients",),
+    ),
+    Mutation(
         "sinkhorn_one_iteration_short",
         "one Sinkhorn iteration fewer than configured (forward and backward), when there are two or more",
         (
