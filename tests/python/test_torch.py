@@ -1,10 +1,6 @@
 """mhc.torch: each path against the float64 oracle, the kernel path bitwise against mhc.jax's,
 the custom ops through torch.library.opcheck and torch.compile(fullgraph=True), checkpoint,
-determinism and bad input.
-
-Where the compiled extension has no ``run`` entry point yet (issue 37), the tests of the plumbing
-(opcheck, compile, checkpoint, the autograd wiring against float64) run the ops on
-torch_stand_in's float32 formulas; the tests of the kernels' bits skip, saying so."""
+determinism and bad input."""
 
 import subprocess
 import sys
@@ -19,7 +15,6 @@ import jax.numpy as jnp  # noqa: E402
 import mhc.jax as mj  # noqa: E402
 import mhc.torch as mt  # noqa: E402
 import numpy_reference  # noqa: E402
-import torch_stand_in  # noqa: E402
 from conftest import (  # noqa: E402
     assert_matches,
     assert_sublayer_matches_reference,
@@ -29,17 +24,7 @@ from conftest import (  # noqa: E402
 )
 from mhc.torch import _ops  # noqa: E402
 
-KERNELS = torch_stand_in.has_kernel_entry_point()
-needs_kernels = pytest.mark.skipif(
-    not KERNELS, reason="mhc._mhc_cpu has no run() entry point yet (issue 37's operation table): no kernel to compare"
-)
 DTYPES = {"float32": (torch.float32, jnp.float32), "bfloat16": (torch.bfloat16, jnp.bfloat16)}
-
-
-@pytest.fixture(autouse=True)
-def entry_point(monkeypatch):
-    """The extension's run, or the stand-in where the extension has none."""
-    torch_stand_in.use_where_needed(monkeypatch)
 
 
 def to_torch(value, dtype=torch.float32, grad=False):
@@ -89,7 +74,7 @@ def test_import_does_not_import_jax():
 @pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
 def test_sublayer_matches_float64(seed, dtype, use_kernel, mix):
     """Outputs and gradients of x, layer_out and every parameter within the spec's bound of the
-    float64 oracle (the kernel path: the extension's kernels, else the stand-in's wiring)."""
+    float64 oracle ."""
     config = mj.Config(n=3, mix=mix)
     _, x, layer_out, params, cotangents = problem(seed, config, dtype=dtype)
     got = torch_sublayer_values(x, layer_out, params, config, cotangents, use_kernel)
@@ -262,11 +247,12 @@ def _sample(name: str, dtype, t=3, n=4, d=8, width=None, carried_width=None):
         "dh_res": (t, n, n),
         "next_dh_res": (t, n, n),
         "carried": (t, n if carried_width is None else carried_width),
+        "partials": (t, width + 1),
     }
     shape = shapes.get(name, (t, n))  # h_pre, h_post and their cotangents
     activation = name in ("x", "g", "dx_partial", "next_dx_partial", "layer_out", "dlayer_in", "next_dlayer_in", "dout")
     value = torch.randn(shape, dtype=torch.float32)
-    if name in ("h_res", "carried", "h_pre", "h_post"):
+    if name in ("h_res", "carried", "h_pre", "h_post", "partials"):  # partials end with a sum of squares
         value = value.abs() / n
     return value.to(dtype) if activation else value
 
@@ -275,19 +261,16 @@ def _sample(name: str, dtype, t=3, n=4, d=8, width=None, carried_width=None):
 @pytest.mark.parametrize("name", sorted(_ops.OPERATIONS))
 def test_opcheck_every_op(name, dtype):
     """torch.library.opcheck: schema, autograd registration, fake tensor and AOT dispatch of each op."""
-    operation = _ops.OPERATIONS[name]
-    inputs = [_sample(arg, dtype) for arg in operation.inputs]
+    inputs = [_sample(arg, dtype) for arg in _ops.OPERATIONS[name]["inputs"]]
     torch.library.opcheck(_ops.OPS[name], (*inputs, *_ops.scalars(mt.Config(4))))
 
 
 def test_one_hot_carried_is_an_empty_mix():
     """V4.1's first sublayer: carried of shape [T, 0] is the one-hot; dcarried keeps that shape."""
-    operation = _ops.OPERATIONS["pre_backward_carried"]
-    inputs = [_sample(arg, torch.float32, carried_width=0) for arg in operation.inputs]
+    inputs = [_sample(arg, torch.float32, carried_width=0) for arg in _ops.OPERATIONS["pre_backward_carried"]["inputs"]]
     torch.library.opcheck(_ops.OPS["pre_backward_carried"], (*inputs, *_ops.scalars(mt.Config(4))))
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sublayer_bits_equal_mhc_jax(seed, dtype):
     """The same kernels behind both bindings: every output and gradient the same bits."""
@@ -299,7 +282,6 @@ def test_sublayer_bits_equal_mhc_jax(seed, dtype):
         assert np.array_equal(np.asarray(got[name], np.float32), np.asarray(want[name], np.float32)), name
 
 
-@needs_kernels
 def test_results_do_not_depend_on_the_thread_count(seed):
     """Same bits run to run and with 1 or 2 threads (mhc's fixed reduction order)."""
     import mhc
@@ -400,7 +382,6 @@ def test_head_matches_float64(seed, use_kernel):
         assert_matches(f"head {index}", value.detach().numpy(), reference_value, 1e-5, perturbed, f"seed={seed}")
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_v41_chain_and_head_bits_equal_mhc_jax(seed, dtype):
     """V4.1's chain (carried pre, fused carried boundaries, collapse) and V4's head: the same bits

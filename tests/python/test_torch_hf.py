@@ -12,16 +12,10 @@ transformers = pytest.importorskip("transformers", reason="the drop-in is tested
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip(f"transformers {transformers.__version__} has no DeepSeek-V4", allow_module_level=True)
 
-import torch_stand_in  # noqa: E402
 from conftest import assert_matches  # noqa: E402
 from mhc.torch import hf  # noqa: E402
 
 VOCAB = 64
-
-
-@pytest.fixture(autouse=True)
-def entry_point(monkeypatch):
-    torch_stand_in.use_where_needed(monkeypatch)
 
 
 def tiny_model(seed):

@@ -1,14 +1,10 @@
 """The C++ operations as torch custom ops (namespace ``mhc``), and the autograd that joins them.
 
-Every operation is one row of ``OPERATIONS``: its operands and its results with their shape and
-dtype rules, in the order of ``include/mhc/ops.h``. From a row come, with no per-operation code:
-the op's schema, its CPU implementation (allocate the results, call the extension's
-``run(name, inputs, outputs, ...)`` over DLPack, GIL released) and its fake (meta) implementation,
-the same allocation on FakeTensors, which is all that ``torch.compile`` needs to trace it.
-
-Shapes: T tokens, n streams, D features; N = phi's columns; ``like:<operand>`` is that operand's
-shape (a parameter's gradient, an absent carried mix of shape [T, 0]). Dtypes: ``f32``, or an
-operand's name for its dtype (``x``: activations follow x, ``layer_out``: its gradient follows it).
+Every operation declared in the C++ table (src/ffi/operations.h, read through
+``mhc._operations``: its inputs, outputs and their shape and dtype rules) becomes an op with no
+per-operation code: its schema, its CPU implementation (allocate the results by the rules, call
+the extension's ``run(name, inputs, outputs, ...)`` over DLPack, GIL released) and its fake (meta)
+implementation, the same allocation on FakeTensors, which is all ``torch.compile`` needs.
 
 The autograd is one ``torch.autograd.Function`` per sublayer role (pre, boundary, post, head,
 collapse, V4 and V4.1), not ``register_autograd`` on each op: pre and boundary hand their input
@@ -22,146 +18,65 @@ bf16, rounding twice where the kernel rounds once).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
-from mhc._config import Config
+from mhc import _operations
+from mhc._config import MIXES, Config
 
-_PARAMS = ("norm_weight", "phi", "alpha", "bias")
-_PARAM_GRADS = tuple((f"d{name}", f"like:{name}", "f32") for name in _PARAMS)
-_HEAD_PARAMS = ("fn", "base", "scale")
-_HEAD_GRADS = tuple((f"d{name}", f"like:{name}", "f32") for name in _HEAD_PARAMS)
-_PRE_OUTPUTS = (("layer_in", "T D", "x"), ("h_pre", "T n", "f32"), ("h_post", "T n", "f32"), ("h_res", "T n n", "f32"))
-_POST_GRADS = (
-    ("dx_partial", "T n D", "x"),
-    ("dlayer_out", "T D", "layer_out"),
-    ("dh_post", "T n", "f32"),
-    ("dh_res", "T n n", "f32"),
-)
-_NEXT_COTANGENTS = ("next_dlayer_in", "next_dx_partial")
-
-
-class Operation(NamedTuple):
-    inputs: tuple[str, ...]
-    outputs: tuple[tuple[str, str, str], ...]  # (name, shape rule, dtype rule)
-
-
-OPERATIONS = {
-    "pre_forward": Operation(("x", *_PARAMS), _PRE_OUTPUTS),
-    "pre_backward": Operation(
-        ("dlayer_in", "dx_partial", "dh_post", "dh_res", "x", *_PARAMS), (("dx", "T n D", "x"), *_PARAM_GRADS)
-    ),
-    "post_forward": Operation(("x", "layer_out", "h_post", "h_res"), (("out", "T n D", "x"),)),
-    "post_backward": Operation(("g", "x", "layer_out", "h_post", "h_res"), _POST_GRADS),
-    "boundary_forward": Operation(
-        ("x", "layer_out", "h_post", "h_res", *_PARAMS), (("x_next", "T n D", "x"), *_PRE_OUTPUTS)
-    ),
-    "boundary_backward": Operation(
-        (*_NEXT_COTANGENTS, "next_dh_post", "next_dh_res", "x", "layer_out", "h_post", "h_res", *_PARAMS),
-        (*_POST_GRADS, *_PARAM_GRADS),
-    ),
-    "head_forward": Operation(("x", *_HEAD_PARAMS), (("out", "T D", "x"), ("gates", "T n", "f32"))),
-    "head_backward": Operation(("dout", "x", *_HEAD_PARAMS), (("dx", "T n D", "x"), *_HEAD_GRADS)),
-    "pre_forward_carried": Operation(("x", "carried", *_PARAMS), _PRE_OUTPUTS),
-    "pre_backward_carried": Operation(
-        ("dlayer_in", "dx_partial", "dh_pre", "dh_post", "dh_res", "x", "carried", *_PARAMS),
-        (("dx", "T n D", "x"), ("dcarried", "like:carried", "f32"), *_PARAM_GRADS),
-    ),
-    "collapse_forward": Operation(("x", "carried"), (("out", "T D", "x"),)),
-    "collapse_backward": Operation(("dout", "x", "carried"), (("dx", "T n D", "x"), ("dcarried", "T n", "f32"))),
-    "boundary_forward_carried": Operation(
-        ("x", "layer_out", "h_pre", "h_post", "h_res", *_PARAMS), (("x_next", "T n D", "x"), *_PRE_OUTPUTS)
-    ),
-    "boundary_backward_carried": Operation(
-        (*_NEXT_COTANGENTS, "next_dh_pre", "next_dh_post", "next_dh_res", "x", "layer_out", "h_pre", "h_post", "h_res")
-        + _PARAMS,
-        (*_POST_GRADS, ("dh_pre", "T n", "f32"), *_PARAM_GRADS),
-    ),
-}
+OPERATIONS = _operations.OPERATIONS  # name -> its C++ declaration (inputs, outputs, their rules)
 
 # The config's scalars, the trailing arguments of every op (n comes from x's shape).
-_SCALARS = (("mix", "str"), ("sinkhorn_iters", "int"), ("sinkhorn_eps", "float"), ("rms_eps", "float"))
+_SCALARS = (("mix", "int"), ("sinkhorn_iters", "int"), ("sinkhorn_eps", "float"), ("rms_eps", "float"))
 _SCALARS += (("pre_eps", "float"), ("post_scale", "float"))
 
 
 def scalars(config: Config) -> tuple:
-    return tuple(getattr(config, name) for name, _ in _SCALARS)
+    """The config as the ops take it: mix as the C++ enum (0 sinkhorn, 1 permutations), then floats."""
+    return (MIXES.index(config.mix), *(getattr(config, name) for name, _ in _SCALARS[1:]))
 
 
-def _schema(operation: Operation) -> str:
-    arguments = [f"Tensor {name}" for name in operation.inputs] + [f"{kind} {name}" for name, kind in _SCALARS]
-    results = ", ".join("Tensor" for _ in operation.outputs)
-    return f"({', '.join(arguments)}) -> " + (results if len(operation.outputs) == 1 else f"({results})")
+def _schema(operation: dict) -> str:
+    arguments = [f"Tensor {name}" for name in operation["inputs"]]
+    arguments += [f"{kind} {name}" for name, kind in _SCALARS]
+    outputs = operation["outputs"]
+    results = ", ".join("Tensor" for _ in outputs)
+    return f"({', '.join(arguments)}) -> " + (results if len(outputs) == 1 else f"({results})")
 
 
-def _allocate(operation: Operation, tensors: tuple) -> list:
-    """The results, uninitialised, by the row's rules: the same code on real and fake tensors."""
-    named = dict(zip(operation.inputs, tensors, strict=True))
-    t, n, d = named["x"].shape
-    sizes = {"T": t, "n": n, "D": d}
-    outputs = []
-    for _, shape, dtype in operation.outputs:
-        if shape.startswith("like:"):
-            dims = named[shape.removeprefix("like:")].shape
-        else:
-            dims = tuple(sizes[axis] for axis in shape.split())
-        kind = torch.float32 if dtype == "f32" else named[dtype].dtype
-        outputs.append(torch.empty(dims, dtype=kind, device=named["x"].device))
-    return outputs
+def _allocate(operation: dict, tensors: tuple) -> list:
+    """The results, uninitialised, by the declaration's rules: the same code on real and fake tensors."""
+    device = tensors[operation["inputs"].index("x")].device
+    specs = _operations.output_specs(operation, tensors, torch.float32)
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
 
 
 _extension_run = None
 
 
 def _run_entry_point():
-    """The extension's ``run`` (issue 37's operation table), checked once against OPERATIONS."""
+    """The extension's ``run``: an operation on host tensors (DLPack), outputs written in place."""
     global _extension_run
     if _extension_run is None:
         from mhc import _mhc_cpu
 
-        if not hasattr(_mhc_cpu, "run"):
-            raise RuntimeError(
-                "mhc.torch: the compiled extension mhc._mhc_cpu has no run() entry point (the operation table "
-                "of issue 37); rebuild the package from a tree that has it"
-            )
-        if hasattr(_mhc_cpu, "operations"):
-            _check_against_the_table(_mhc_cpu.operations())
         _extension_run = _mhc_cpu.run
     return _extension_run
 
 
-def _check_against_the_table(declared) -> None:
-    """Every op here exists in the C++ table with the same operand and result counts."""
-    table = {}
-    for row in declared:
-        name = row["name"].removeprefix("mhc_")
-        table[name] = row
-    for name, operation in OPERATIONS.items():
-        row = table.get(name)
-        if row is None:
-            raise RuntimeError(f"mhc.torch: operation {name!r} is not in the extension's operations()")
-        counts = (len(row.get("inputs", ())), len(row.get("outputs", ())))
-        if counts != (len(operation.inputs), len(operation.outputs)):
-            raise RuntimeError(
-                f"mhc.torch: operation {name!r} takes {counts[0]} operands and writes {counts[1]} results in the "
-                f"extension, {len(operation.inputs)} and {len(operation.outputs)} in mhc.torch"
-            )
-
-
-def _define(name: str, operation: Operation):
-    count = len(operation.inputs)
+def _define(name: str, operation: dict):
+    count = len(operation["inputs"])
 
     def allocate_only(*arguments):
         outputs = _allocate(operation, arguments[:count])
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def run_on_the_cpu(*arguments):
-        tensors, (mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale) = arguments[:count], arguments[count:]
+        tensors, config_scalars = arguments[:count], arguments[count:]
         outputs = _allocate(operation, tensors)
-        n = tensors[operation.inputs.index("x")].shape[1]
-        run = _run_entry_point()
-        run(name, list(tensors), outputs, n, mix, iters, sinkhorn_eps, rms_eps, pre_eps, post_scale, 1)
+        n = tensors[operation["inputs"].index("x")].shape[1]
+        # tensor_parallel 1: torch's ops run on the whole D (the split forms see D / tensor_parallel as D)
+        _run_entry_point()(name, list(tensors), outputs, n, *config_scalars, 1)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     library_op = torch.library.custom_op(
