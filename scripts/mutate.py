@@ -430,7 +430,9 @@ MUTATIONS = (
             ),
         ),
         python=True,
-        python_tests=("tests/python/test_torch_hf.py",),
+        python_tests=(
+            "tests/python/test_torch_hf.py::test_patch_keeps_the_state_dict_and_matches_the_float64_model[modules]",
+        ),
     ),
     Mutation(
         "boundary_recompute_first_tile_gates",

@@ -68,13 +68,18 @@ def logits_and_hc_grads(model, ids):
     return [logits.detach()] + [parameters[name].grad.clone() for name in hc_names(model)]
 
 
-def test_patch_keeps_the_state_dict_and_matches_the_float64_model(seed):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "modules"])
+def test_patch_keeps_the_state_dict_and_matches_the_float64_model(seed, fuse):
+    """fused: the decoder layers run pre, boundary, post on mhc; modules: transformers' layers call
+    the swapped modules."""
     model = tiny_model(seed)
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(seed))
     unpatched = copy.deepcopy(model)
     before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     keys = list(model.state_dict())
-    assert hf.patch(model) is model
+    assert hf.patch(model, fuse=fuse) is model
+    fused = [layer for layer in model.model.layers if "forward" in vars(layer)]
+    assert len(fused) == (2 if fuse else 0)
     swapped = [m for m in model.modules() if isinstance(m, (hf.HyperConnection, hf.HyperHead))]
     assert len(swapped) == 2 * 2 + 1, "every layer's attn_hc and ffn_hc, and the head"
     assert list(model.state_dict()) == keys

@@ -9,14 +9,18 @@ optimizer built before the patch are unchanged. Their forward is ``mhc.torch.pre
 fused op forward and backward where transformers runs about 60 small torch ops (its Sinkhorn a
 Python loop).
 
-The decoder layer itself is transformers' own: it applies each sublayer's post in plain torch (so
-the post is not fused with the next pre here). transformers 5.x has no DeepSeek-V4.1 model (its
+``patch(model, fuse=True)`` (the default) also runs each decoder layer with its attention's post
+fused into its MLP's pre; between layers the post and the next pre stay two calls (transformers'
+model calls the layers one by one). With ``fuse=False`` the decoder layers are transformers' own,
+applying each post in plain torch. transformers 5.x has no DeepSeek-V4.1 model (its
 ``hc_pre_from_prev_sublayer`` schedule); ``mhc.torch`` has V4.1's operations for one.
 
 Importing this module does not import transformers; ``patch`` needs it.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -50,10 +54,13 @@ class HyperConnection(nn.Module):
         new.fn, new.base, new.scale = module.fn, module.base, module.scale
         return new.to(module.fn.device)
 
+    def params(self) -> mt.Params:
+        """mhc's parameters: phi is fn transposed (a copy the gradient flows back through)."""
+        return mt.Params(self.norm_weight, self.fn.t().contiguous(), self.scale, self.base)
+
     def forward(self, hidden_streams: torch.Tensor):
-        params = mt.Params(self.norm_weight, self.fn.t().contiguous(), self.scale, self.base)
         use_kernel = hidden_streams.device.type == "cpu"  # the CUDA kernels are unverified: plain torch there
-        collapsed, ctx = mt.pre(hidden_streams.contiguous(), params, self.config, use_kernel=use_kernel)
+        collapsed, ctx = mt.pre(hidden_streams.contiguous(), self.params(), self.config, use_kernel=use_kernel)
         return ctx.h_post, ctx.h_res, collapsed
 
 
@@ -83,9 +90,26 @@ class HyperHead(nn.Module):
 _REPLACEMENTS = {"DeepseekV4HyperConnection": HyperConnection, "DeepseekV4HyperHead": HyperHead}
 
 
-def patch(model: nn.Module) -> nn.Module:
+def fused_decoder_forward(self, hidden_states: torch.Tensor, input_ids=None, **kwargs) -> torch.Tensor:
+    """``DeepseekV4DecoderLayer.forward`` with the attention's post fused into the MLP's pre
+    (``mhc.torch.boundary``: the new streams written once and projected while in cache, and in the
+    backward never stored): pre -> attention -> boundary -> MLP -> post, each on mhc's kernels."""
+    use_kernel = hidden_states.device.type == "cpu"
+    config = self.attn_hc.config
+    layer_in, ctx = mt.pre(hidden_states.contiguous(), self.attn_hc.params(), config, use_kernel=use_kernel)
+    attn_output, _ = self.self_attn(self.input_layernorm(layer_in), **kwargs)
+    layer_in, ctx = mt.boundary(attn_output.contiguous(), ctx, self.ffn_hc.params(), config, use_kernel=use_kernel)
+    mlp_output = self.mlp(self.post_attention_layernorm(layer_in), input_ids=input_ids)
+    return mt.post(mlp_output.contiguous(), ctx)
+
+
+def patch(model: nn.Module, *, fuse: bool = True) -> nn.Module:
     """Swaps every ``DeepseekV4HyperConnection`` and ``DeepseekV4HyperHead`` of ``model`` for
-    mhc's, in place, sharing their parameters; returns the model. Raises if there is none."""
+    mhc's, in place, sharing their parameters; returns the model. Raises if there is none.
+
+    fuse: also run each ``DeepseekV4DecoderLayer`` with its attention's post fused into its MLP's
+    pre (``fused_decoder_forward``, set on each layer instance). The post after the MLP stays
+    separate: the next layer's pre is in the next layer's call."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"mhc.torch.hf.patch: model: expected a torch.nn.Module, got {type(model).__name__}")
     swapped = 0
@@ -95,6 +119,10 @@ def patch(model: nn.Module) -> nn.Module:
             if replacement is not None:
                 setattr(parent, name, replacement.replacing(child))
                 swapped += 1
+    if fuse:
+        for layer in model.modules():
+            if type(layer).__name__ == "DeepseekV4DecoderLayer" and isinstance(layer.attn_hc, HyperConnection):
+                layer.forward = types.MethodType(fused_decoder_forward, layer)
     if not swapped:
         raise ValueError(
             "mhc.torch.hf.patch: model: no DeepseekV4HyperConnection or DeepseekV4HyperHead in it "
