@@ -110,10 +110,6 @@ const CpuOperation kCpuOperations[] = {MHC_OPERATIONS(MHC_CPU_OPERATION)};
 #undef MHC_CPU_OPERATION
 static_assert(std::size(kCpuOperations) == kOperationCount);
 
-}  // namespace
-
-namespace {
-
 namespace nb = nanobind;
 
 nb::tuple strings(const char* const* names, int count) {
@@ -149,14 +145,15 @@ nb::list operations() {
 }
 
 // One host array of run() as an mhc view, or mhc::Error naming the operation and the argument.
+// `array` keeps the import alive (a DLPack capsule's tensor) while the kernel runs.
 template <class View, class Array>
-View host_view(nb::handle object, const mhc_ffi::Operation& op, const char* name) {
-  Array array;
+View host_view(nb::handle object, Array& array, const mhc_ffi::Operation& op, const char* name) {
   if (!nb::try_cast(object, array, /*convert=*/false)) {
     const bool output = std::is_same_v<View, mhc::MutableTensorRef>;
     throw mhc::Error(op.c_name, name,
                      std::string("expected ") + (output ? "a writable " : "an ") +
-                         "array (DLPack or buffer protocol), got " +
+                         "array exporting DLPack or the buffer protocol (numpy's ml_dtypes "
+                         "bfloat16 exports neither), got " +
                          nb::cast<std::string>(nb::str(object.type())));
   }
   if (array.device_type() != nb::device::cpu::value) {
@@ -204,19 +201,21 @@ void run(const std::string& name, nb::sequence inputs, nb::sequence outputs, int
     };
     check_count(inputs, op.input_count(), "inputs");
     check_count(outputs, op.output_count(), "outputs");
+    std::array<nb::ndarray<nb::ro>, mhc_ffi::kMaxInputs> input_arrays;
+    std::array<nb::ndarray<>, mhc_ffi::kMaxOutputs> output_arrays;
     std::array<mhc::TensorRef, mhc_ffi::kMaxInputs> input_views;
     std::array<mhc::MutableTensorRef, mhc_ffi::kMaxOutputs> output_views;
     for (int k = 0; k < op.input_count(); ++k) {
-      input_views[k] = host_view<mhc::TensorRef, nb::ndarray<nb::ro>>(inputs[k], op, op.inputs[k]);
+      input_views[k] = host_view<mhc::TensorRef>(inputs[k], input_arrays[k], op, op.inputs[k]);
     }
     for (int k = 0; k < op.output_count(); ++k) {
       output_views[k] =
-          host_view<mhc::MutableTensorRef, nb::ndarray<>>(outputs[k], op, op.outputs[k].name);
+          host_view<mhc::MutableTensorRef>(outputs[k], output_arrays[k], op, op.outputs[k].name);
     }
     const mhc::Config config =
         mhc_ffi::make_config(op.c_name, input_views[mhc_ffi::x_index(op)], n, mix, sinkhorn_iters,
                              sinkhorn_eps, rms_eps, pre_eps, post_scale, tensor_parallel);
-    // The arrays stay alive in the caller's sequences while the kernel runs without the GIL.
+    // The imported arrays (destroyed after the GIL is taken back) keep the data alive.
     nb::gil_scoped_release release;
     kCpuOperations[index].call(config, input_views.data(), output_views.data());
   } catch (const mhc::Error& error) {

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <array>
-#include <cstring>
 #include <exception>
 #include <string>
 #include <utility>
@@ -101,9 +100,9 @@ ffi::Error guarded(Body body) {
 }
 
 // The binding of a handler: `Args` buffer arguments, `Rets` buffer results (all AnyBuffer; the
-// operations check dtypes and shapes themselves), then the config attributes, in the order every
-// Impl below lists its parameters. Bindings are move-only and built by chaining, so the
-// recursion passes each step's result straight on.
+// operations check dtypes and shapes themselves), then the config attributes, in the order the
+// handlers (CpuHandler, CudaHandler) list their parameters. Bindings are move-only and built by
+// chaining, so the recursion passes each step's result straight on.
 template <int Args, int Rets, class Binding>
 auto handler_binding(Binding binding) {
   if constexpr (Args > 0) {
