@@ -120,3 +120,30 @@ def test_patch_refuses_a_model_without_hyper_connections():
         hf.patch(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"mhc.torch.hf.patch: model: expected a torch.nn.Module"):
         hf.patch(np.zeros(2))
+
+
+def test_inference_sees_every_change_of_fn(seed):
+    """Without gradients the module keeps fn transposed between calls: a write to fn in place (an
+    optimizer step, load_state_dict) or a new fn Parameter must reach the next call, with the bits
+    of a module made afresh from the changed weights."""
+    torch.manual_seed(seed)
+    original = tiny_model(seed).model.layers[0].attn_hc
+    module = hf.HyperConnection.replacing(copy.deepcopy(original))
+    x = torch.randn(2, 3, 4, 32)
+
+    def fresh():
+        clone = copy.deepcopy(original)
+        clone.load_state_dict(module.state_dict())
+        return hf.HyperConnection.replacing(clone)(x)
+
+    with torch.no_grad():
+        module(x)
+        module.fn.mul_(1.5)
+        for got, want in zip(module(x), fresh(), strict=True):
+            assert torch.equal(got, want)
+        module.load_state_dict({"fn": torch.randn_like(module.fn), "base": module.base, "scale": module.scale})
+        for got, want in zip(module(x), fresh(), strict=True):
+            assert torch.equal(got, want)
+        module.fn = torch.nn.Parameter(torch.randn_like(module.fn))
+        for got, want in zip(module(x), fresh(), strict=True):
+            assert torch.equal(got, want)

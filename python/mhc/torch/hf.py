@@ -42,6 +42,7 @@ class HyperConnection(nn.Module):
         self.scale = nn.Parameter(torch.empty(3))
         # DeepSeek-V4's RMS norm over the flattened streams has no weight: ones, never trained.
         self.register_buffer("norm_weight", torch.ones(hc_mult * hidden_size), persistent=False)
+        self._phi, self._phi_key = None, None  # params(): fn transposed, kept for inference
         self.config = mt.Config(
             n=hc_mult, sinkhorn_iters=hc_sinkhorn_iters, sinkhorn_eps=hc_eps, pre_eps=hc_eps, rms_eps=rms_norm_eps
         )
@@ -55,8 +56,17 @@ class HyperConnection(nn.Module):
         return new.to(module.fn.device)
 
     def params(self) -> mt.Params:
-        """mhc's parameters: phi is fn transposed (a copy the gradient flows back through)."""
-        return mt.Params(self.norm_weight, self.fn.t().contiguous(), self.scale, self.base)
+        """mhc's parameters: phi is fn transposed. When fn's gradient is wanted, a copy in the graph
+        (the gradient flows back through it); otherwise (inference) a copy kept until fn changes:
+        at decode the transpose of a [24, 16384] fn costs more than the kernel."""
+        if torch.is_grad_enabled() and self.fn.requires_grad:
+            phi = self.fn.t().contiguous()
+        else:
+            key = (id(self.fn), self.fn.data_ptr(), self.fn._version)  # _version: bumped by every in-place write
+            if self._phi_key != key:
+                self._phi, self._phi_key = self.fn.detach().t().contiguous(), key
+            phi = self._phi
+        return mt.Params(self.norm_weight, phi, self.scale, self.base)
 
     def forward(self, hidden_streams: torch.Tensor):
         use_kernel = hidden_streams.device.type == "cpu"  # the CUDA kernels are unverified: plain torch there
