@@ -42,10 +42,12 @@ build: configure
 	@$(timed) cmake --build $(BUILD) -j $(JOBS)
 
 # The virtual environment with the pinned Python packages, rebuilt when the pins change.
-$(VENV)/.installed: requirements-dev.txt
+$(VENV)/.installed: requirements-dev.txt requirements-torch.txt
 	@python3 -m venv $(VENV)
 	@$(VENV)/bin/pip install -q --upgrade pip
 	@$(VENV)/bin/pip install -q -r requirements-dev.txt
+	@# torch without its CUDA requirements (requirements-torch.txt says why)
+	@$(VENV)/bin/pip install -q --no-deps -r requirements-torch.txt
 	@touch $@
 
 # The mhc Python package (C++ core + XLA FFI handlers), built against the venv's jaxlib.

@@ -407,6 +407,34 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "torch_pre_drops_dx_partial",
+        "mhc.torch's pre backward ignores the streams' gradient from the post (the cotangent of Context.x)",
+        (
+            Edit(
+                "python/mhc/torch/_ops.py",
+                "cotangents = [c.contiguous() for c in (dlayer_in, dx_partial, dh_post, dh_res)]",
+                "cotangents = [c.contiguous() for c in (dlayer_in, torch.zeros_like(dx_partial), dh_post, dh_res)]",
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_torch.py::test_sublayer_matches_float64[sinkhorn-kernel-float32]",),
+    ),
+    Mutation(
+        "torch_hf_comb_transposed",
+        "mhc.torch.hf's HyperConnection returns comb transposed (H_res read as [output, input])",
+        (
+            Edit(
+                "python/mhc/torch/hf.py",
+                "return ctx.h_post, ctx.h_res, collapsed",
+                "return ctx.h_post, ctx.h_res.mT, collapsed",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_torch_hf.py::test_patch_keeps_the_state_dict_and_matches_the_float64_model[modules]",
+        ),
+    ),
+    Mutation(
         "boundary_recompute_first_tile_gates",
         "the fused boundary backward recomputes every tile's x_next with the first tile's h_post, h_res",
         (

@@ -1,7 +1,8 @@
-"""mhc: fused Manifold-Constrained Hyper-Connections for JAX.
+"""mhc: fused Manifold-Constrained Hyper-Connections for JAX and PyTorch.
 
 Submodules: ``mhc.jax`` (functional API, custom VJP over the C++ kernels, plain-JAX reference),
-``mhc.flax`` (a Flax NNX layer), ``mhc.bench`` (``python -m mhc.bench``).
+``mhc.flax`` (a Flax NNX layer), ``mhc.torch`` (the same API as torch custom ops; imports no jax;
+``mhc.torch.hf``: the Hugging Face DeepSeek-V4 drop-in), ``mhc.bench`` (``python -m mhc.bench``).
 
 ``set_num_threads(k)`` / ``num_threads()``: at most k threads per CPU kernel call
 (``MHC_NUM_THREADS`` sets the default, else every hardware thread; ``k < 1`` restores it). Inside

@@ -2,17 +2,20 @@
 
 A module of its own, above both mhc.jax and mhc.tpu and importing neither (nor the C++
 extension), so that the pure-Python TPU backend imports without the compiled CPU extension and
-nothing imports back up: mhc.jax uses mhc.tpu's kernels, mhc.tpu only these types.
+nothing imports back up: mhc.jax uses mhc.tpu's kernels, mhc.tpu only these types. It does not
+import jax either: mhc.torch shares Config, and Params / HeadParams hold torch tensors there.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import jax
 import numpy as np
+
+if TYPE_CHECKING:  # the annotations only: mhc.torch imports this module without jax
+    import jax
 
 MIXES = ("sinkhorn", "permutations")
 MAX_STREAMS = 16
