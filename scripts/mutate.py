@@ -597,6 +597,21 @@ MUTATIONS = (
         python_tests=("tests/python/test_tpu_pre_backward.py::test_pre_backward_split_over_two_cores",),
     ),
     Mutation(
+        "tpu_backward_empty_core",
+        "the backwards' core split uses every core asked for, so a core can hold no token tile",
+        (
+            Edit(
+                TPU_LAYOUT,
+                "return cls(tiles, chunks, pl.cdiv(tiles, per_core), per_core)",
+                "return cls(tiles, chunks, max(1, min(cores or tensor_cores(), tiles)), per_core)",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_pre_backward.py::test_core_split_covers_every_tile_once_with_no_empty_core",
+        ),
+    ),
+    Mutation(
         "tpu_backward_trailing_steps_run",
         "the last core's trailing grid steps (past the last token tile) run the backward body",
         (Edit(TPU_LAYOUT, "if self.cores * self.tiles_per_core == self.tiles:", "if True:"),),

@@ -160,6 +160,23 @@ def test_pre_backward_split_over_two_cores(seed):
         np.testing.assert_array_equal(one_core, two_cores, err_msg=f"{name}: one tile, two cores asked for")
 
 
+def test_core_split_covers_every_tile_once_with_no_empty_core():
+    """_layout.CoreSplit.plan for 1-12 tiles over 1-4 cores asked for: the used cores' tiles are
+    the tiles in order, each once; no used core is empty; never more cores than asked; trailing
+    steps only on the last core."""
+    for tiles in range(1, 13):
+        for asked in range(1, 5):
+            split = mhc.tpu._layout.CoreSplit.plan("pre_backward", tiles * 32 - 5, 32, 2, asked)
+            assert 1 <= split.cores <= min(asked, tiles), (tiles, asked, split)
+            held = [
+                [split.token_tile(core, step) for step in range(split.tiles_per_core)] for core in range(split.cores)
+            ]
+            in_range = [[tile for tile in core if tile < tiles] for core in held]
+            assert sum(in_range, []) == list(range(tiles)), (tiles, asked, held)
+            assert all(in_range), (tiles, asked, held)
+            assert all(len(core) == split.tiles_per_core for core in in_range[:-1]), (tiles, asked, held)
+
+
 def _arguments(config, n, d, t, dtype):
     params = random_numpy_params(np.random.default_rng(0), config, d)
     x = jnp.zeros((t, n, d), dtype)
