@@ -77,6 +77,7 @@ TPU_PRE_BACKWARD = "python/mhc/tpu/_pre_backward.py"
 TPU_HEAD = "python/mhc/tpu/_head.py"
 TPU_BOUNDARY = "python/mhc/tpu/_boundary.py"
 TPU_COLLAPSE = "python/mhc/tpu/_collapse.py"
+TPU_LAYOUT = "python/mhc/tpu/_layout.py"
 
 MUTATIONS = (
     Mutation(
@@ -635,6 +636,48 @@ MUTATIONS = (
         python_tests=(
             "tests/python/test_tpu_pre_backward.py::test_pre_backward_matches_reference[8-1-37-sinkhorn-float32-custom]",
         ),
+    ),
+    Mutation(
+        "tpu_backward_core_partials_dropped",
+        "the TPU backwards split over two cores keep only the first core's parameter-gradient partial sums",
+        (
+            Edit(
+                TPU_LAYOUT,
+                "return functools.reduce(jnp.add, [partials[core] for core in range(partials.shape[0])])",
+                "return partials[0]",
+            ),
+        ),
+        python=True,
+        python_tests=("tests/python/test_tpu_pre_backward.py::test_pre_backward_split_over_two_cores",),
+    ),
+    Mutation(
+        "tpu_backward_empty_core",
+        "the backwards' core split uses every core asked for, so a core can hold no token tile",
+        (
+            Edit(
+                TPU_LAYOUT,
+                "return cls(tiles, chunks, pl.cdiv(tiles, per_core), per_core)",
+                "return cls(tiles, chunks, max(1, min(cores or tensor_cores(), tiles)), per_core)",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_pre_backward.py::test_core_split_covers_every_tile_once_with_no_empty_core",
+        ),
+    ),
+    Mutation(
+        "tpu_backward_trailing_steps_run",
+        "the last core's trailing grid steps (past the last token tile) run the backward body",
+        (Edit(TPU_LAYOUT, "if self.cores * self.tiles_per_core == self.tiles:", "if True:"),),
+        python=True,
+        python_tests=("tests/python/test_tpu_pre_backward.py::test_pre_backward_split_over_two_cores",),
+    ),
+    Mutation(
+        "tpu_backward_trailing_steps_move_chunks",
+        "the trailing grid steps' blocks follow the feature chunks instead of staying on the last one",
+        (Edit(TPU_LAYOUT, "jnp.where(holds_tile, chunk, self.chunks - 1)", "chunk"),),
+        python=True,
+        python_tests=("tests/python/test_tpu_pre_backward.py::test_pre_backward_split_over_two_cores",),
     ),
     Mutation(
         "tpu_head_gates_without_pre_eps",

@@ -216,6 +216,18 @@ def test_boundary_backward_matches_reference(seed, case):
     """Every output against the float64 reference. With bf16 x, dx_{l+1} is rounded to bf16 on its
     way from the pre backward of l+1 to the post backward of l (as the separate calls store it):
     every output then carries a bf16 rounding and is held to the bf16 bound."""
+    _check_backward_against_reference(seed, case)
+
+
+def test_boundary_backward_split_over_two_cores(seed):
+    """The token tiles split over two TensorCores (mhc.tpu._layout.CoreSplit, as
+    test_tpu_pre_backward's test): T = 150 in five tiles of 32, D = 700 in two feature chunks;
+    core 1 has one trailing tile of steps, which must write nothing (dh_post and dh_res
+    accumulate over the chunks in their blocks) and add nothing to its partial sums."""
+    _check_backward_against_reference(seed, (4, 700, 150, "sinkhorn", jnp.float32, jnp.float32, CUSTOM, 32), cores=2)
+
+
+def _check_backward_against_reference(seed, case, cores=None):
     n, d, t, mix, dtype, layer_out_dtype, scalars, tile = case
     config = mj.Config(n=n, mix=mix, **scalars)
     rng = np.random.default_rng(seed)
@@ -231,7 +243,7 @@ def test_boundary_backward_matches_reference(seed, case):
         jnp.asarray(dh_res_next, jnp.float32),
     )
     got = mhc.tpu.boundary_backward(
-        config, *cotangents, x, layer_out, h_post, h_res, params, tile=tile, interpret=INTERPRET
+        config, *cotangents, x, layer_out, h_post, h_res, params, tile=tile, interpret=INTERPRET, cores=cores
     )
     _no_races()
     dtypes = (dtype, layer_out_dtype) + (jnp.float32,) * 6

@@ -21,6 +21,7 @@ from conftest import assert_matches, random_numpy_params, round_by_one_unit
 from test_tpu_kernels import (
     CUSTOM,
     INTERPRET,
+    NO_RACE_CHECK,
     ONE_TOKEN,
     TILE,
     _assert_a_token_alone_is_bitwise_equal,
@@ -93,16 +94,8 @@ def test_pre_backward_matches_reference(seed, case):
         _assert_a_token_alone_is_bitwise_equal(("dx",), got[:1], alone[:1])
         _no_races()
 
-    def perturbed(rng, index):
-        values = (x64, layer_out, params, dli64, g)
-        result, _, through_coefficients = _oracle(config, *(round_by_one_unit(rng, v) for v in values), rng)
-        return (*result, through_coefficients)[index]
-
-    for index, (name, value) in enumerate(zip(NAMES, got, strict=True)):
-        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
-        assert value.dtype == (dtype if name == "dx" else jnp.float32), f"{name}: dtype {value.dtype}"
-        context = f"(seed {seed})"
-        assert_matches(name, value, want[index], _tolerance(value.dtype), lambda r, i=index: perturbed(r, i), context)
+    perturbed = _perturbed_oracle(config, x64, layer_out, params, dli64, g)
+    _assert_each_output_matches(seed, got, want, dtype, perturbed)
     if dtype == jnp.float32 and t > 0:
         # dx is mostly dx_partial: its part through the coefficients (the gates, Sinkhorn, the
         # projection and the RMS statistic) held to the bound on its own.
@@ -115,6 +108,73 @@ def test_pre_backward_matches_reference(seed, case):
             lambda r: perturbed(r, len(NAMES)),
             f"(seed {seed})",
         )
+
+
+def _perturbed_oracle(config, x64, layer_out, params, dli64, g):
+    """perturbed(rng, index) for assert_matches: output `index` of _oracle (dx through the
+    coefficients at len(NAMES)) on the inputs moved by one unit."""
+
+    def perturbed(rng, index):
+        values = (x64, layer_out, params, dli64, g)
+        result, _, through_coefficients = _oracle(config, *(round_by_one_unit(rng, v) for v in values), rng)
+        return (*result, through_coefficients)[index]
+
+    return perturbed
+
+
+def _assert_each_output_matches(seed, got, want, dtype, perturbed):
+    for index, (name, value) in enumerate(zip(NAMES, got, strict=True)):
+        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
+        assert value.dtype == (dtype if name == "dx" else jnp.float32), f"{name}: dtype {value.dtype}"
+        context = f"(seed {seed})"
+        assert_matches(name, value, want[index], _tolerance(value.dtype), lambda r, i=index: perturbed(r, i), context)
+
+
+def test_pre_backward_split_over_two_cores(seed):
+    """The token tiles split over two TensorCores (the grid's leading "parallel" axis,
+    mhc.tpu._layout.CoreSplit): T = 150 in five tiles of 32, the last ragged, D = 700 in two
+    feature chunks; core 0 takes tiles 0-2, core 1 tiles 3-4 and one trailing tile of steps that
+    must neither write nor add anything (the interpreter fills uninitialized memory with NaN).
+    The parameter gradients (each core's partial sums added in core order: a different summation
+    order from one core's) against the float64 reference; dx, a per-token output, bit for bit the
+    one-core result; the split deterministic; a call of one tile uses one core: every output bit
+    for bit the one-core result."""
+    config = mj.Config(n=4, **CUSTOM)
+    d, t, dtype, tile = 700, 150, jnp.float32, 32
+    rng = np.random.default_rng(seed)
+    params, x, dli, x64, dli64, layer_out, g = _problem(rng, config, d, t, dtype)
+    want, inputs, _ = _oracle(config, x64, layer_out, params, dli64, g)
+    operands = (dli, *_kernel_inputs(inputs, dtype), x, params)
+
+    def call(operands, cores, interpret=NO_RACE_CHECK):
+        return mhc.tpu.pre_backward(config, *operands, tile=tile, interpret=interpret, cores=cores)
+
+    split = call(operands, 2, INTERPRET)
+    _no_races()
+    _assert_each_output_matches(seed, split, want, dtype, _perturbed_oracle(config, x64, layer_out, params, dli64, g))
+    np.testing.assert_array_equal(split[0], call(operands, 1)[0], err_msg="dx: two cores against one")
+    for name, first, again in zip(NAMES, split, call(operands, 2), strict=True):
+        np.testing.assert_array_equal(first, again, err_msg=f"{name}: two calls on two cores")
+    one_tile = [a[:20] for a in operands[:5]] + [params]
+    for name, one_core, two_cores in zip(NAMES, call(one_tile, 1), call(one_tile, 2), strict=True):
+        np.testing.assert_array_equal(one_core, two_cores, err_msg=f"{name}: one tile, two cores asked for")
+
+
+def test_core_split_covers_every_tile_once_with_no_empty_core():
+    """_layout.CoreSplit.plan for 1-12 tiles over 1-4 cores asked for: the used cores' tiles are
+    the tiles in order, each once; no used core is empty; never more cores than asked; trailing
+    steps only on the last core."""
+    for tiles in range(1, 13):
+        for asked in range(1, 5):
+            split = mhc.tpu._layout.CoreSplit.plan("pre_backward", tiles * 32 - 5, 32, 2, asked)
+            assert 1 <= split.cores <= min(asked, tiles), (tiles, asked, split)
+            held = [
+                [split.token_tile(core, step) for step in range(split.tiles_per_core)] for core in range(split.cores)
+            ]
+            in_range = [[tile for tile in core if tile < tiles] for core in held]
+            assert sum(in_range, []) == list(range(tiles)), (tiles, asked, held)
+            assert all(in_range), (tiles, asked, held)
+            assert all(len(core) == split.tiles_per_core for core in in_range[:-1]), (tiles, asked, held)
 
 
 def _arguments(config, n, d, t, dtype):
@@ -189,3 +249,5 @@ def test_bad_arguments_are_named():
         call(config, dli, dx_partial, dh_post, dh_res, x, params._replace(phi=params.phi[:, :20]))
     with pytest.raises(ValueError, match=r"tile: expected one of"):
         call(config, dli, dx_partial, dh_post, dh_res, x, params, tile=100)
+    with pytest.raises(ValueError, match=r"mhc.tpu.pre_backward: cores: expected a positive int or None, got 0"):
+        call(config, dli, dx_partial, dh_post, dh_res, x, params, cores=0)

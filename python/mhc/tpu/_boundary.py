@@ -177,11 +177,18 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
 
 
 def _backward_kernel(
-    *refs, config: Config, features: int, tokens: int, sinkhorn: bool, permutations: bool, carried: bool
+    *refs,
+    config: Config,
+    features: int,
+    tokens: int,
+    sinkhorn: bool,
+    permutations: bool,
+    carried: bool,
+    split: _layout.CoreSplit,
 ):
     """carried: V4.1's boundary: h_pre of l ((G, tile), after the parameters) is l+1's carried mix,
     dh_next starts with l+1's dH_pre group, and dh_pre of l ((G, tile), after dalpha) receives
-    l+1's dcarried."""
+    l+1's dcarried. Runs only at the grid steps that hold a token tile (split)."""
     refs = list(refs)
     dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
     weight_ref, scale_ref, bias_ref = refs[7:10]
@@ -196,48 +203,55 @@ def _backward_kernel(
     columns_ref = refs[-1]
     chunk = g_ref.shape[2]
 
-    # x_{l+1} of this tile, recomputed once (the first chunk) by the post kernel's body: the bits
-    # the forward stored.
-    @pl.when(pl.program_id(1) == 0)
-    def _recompute():
-        _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
+    def step():
+        _, chunk_index, _ = split.position()
 
-    # The pre backward of l+1 writes this chunk of dx_{l+1} (in x's dtype, as the separate calls
-    # store it) into g_ref: the cotangent of post l's output, never stored in HBM.
-    _pre_backward.backward_body(
-        dli_ref,
-        dx_partial_next_ref,
-        dh_next_ref,
-        x_next_ref,
-        weight_ref,
-        scale_ref,
-        bias_ref,
-        table_t_ref,
-        g_ref,
-        gram_ref,
-        dbias_ref,
-        dalpha_ref,
-        steps_ref,
-        columns_ref,
-        config=config,
-        features=features,
-        tokens=tokens,
-        carried_ref=carried_ref,
-        dcarried_ref=dh_pre_ref,
-    )
-    lanes = pl.ds(pl.multiple_of(pl.program_id(1) * chunk, _layout.LANES), chunk)
-    _post._backward_kernel(
-        g_ref,
-        x_ref.at[:, :, lanes],
-        layer_out_ref.at[:, lanes],
-        h_post_ref,
-        h_res_ref,
-        dx_partial_ref,
-        dlayer_out_ref,
-        dh_post_ref,
-        dh_res_ref,
-        n=config.n,
-    )
+        # x_{l+1} of this tile, recomputed once (the first chunk) by the post kernel's body: the
+        # bits the forward stored.
+        @pl.when(chunk_index == 0)
+        def _recompute():
+            _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
+
+        # The pre backward of l+1 writes this chunk of dx_{l+1} (in x's dtype, as the separate
+        # calls store it) into g_ref: the cotangent of post l's output, never stored in HBM.
+        _pre_backward.backward_body(
+            dli_ref,
+            dx_partial_next_ref,
+            dh_next_ref,
+            x_next_ref,
+            weight_ref,
+            scale_ref,
+            bias_ref,
+            table_t_ref,
+            g_ref,
+            gram_ref,
+            dbias_ref,
+            dalpha_ref,
+            steps_ref,
+            columns_ref,
+            config=config,
+            features=features,
+            tokens=tokens,
+            split=split,
+            carried_ref=carried_ref,
+            dcarried_ref=dh_pre_ref,
+        )
+        lanes = pl.ds(pl.multiple_of(chunk_index * chunk, _layout.LANES), chunk)
+        _post._backward_kernel(
+            g_ref,
+            x_ref.at[:, :, lanes],
+            layer_out_ref.at[:, lanes],
+            h_post_ref,
+            h_res_ref,
+            dx_partial_ref,
+            dlayer_out_ref,
+            dh_post_ref,
+            dh_res_ref,
+            n=config.n,
+            chunk_axis=len(split.grid) - 1,
+        )
+
+    split.when_holding_a_tile(step)
 
 
 def backward_tile(
@@ -271,7 +285,7 @@ def backward_tile(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
 def boundary_backward(
     config: Config,
     dlayer_in,
@@ -286,6 +300,7 @@ def boundary_backward(
     *,
     tile=None,
     interpret=None,
+    cores=None,
 ):
     """The backward of boundary_forward: pre_backward of sublayer l+1 (x_{l+1} recomputed from x and
     layer_out) and post_backward of l with g = its dx, fused (dx_{l+1} never stored). Operands:
@@ -293,14 +308,15 @@ def boundary_backward(
     [T, n] and h_res [T, n, n] (f32); then boundary_forward's x, layer_out, h_post, h_res and
     Params. Returns (dx_partial [T, n, D] x's dtype, dlayer_out [T, D] layer_out's dtype, dh_post
     [T, n], dh_res [T, n, n], dnorm_weight [n D], dphi [n D, N], dalpha [3], dbias [N] f32): the
-    contract of mhc.jax's boundary_backward kernel. `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    contract of mhc.jax's boundary_backward kernel. `tile`, `interpret`: as mhc.tpu.pre_forward;
+    `cores`: as mhc.tpu.pre_backward."""
     operation = "boundary_backward"
     cotangents = (dlayer_in, dx_partial_next, None, dh_post_next, dh_res_next)
     _check_backward(operation, config, cotangents, x, layer_out, h_post, h_res, params, tile)
-    return _backward(config, cotangents, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret)
+    return _backward(config, cotangents, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret, cores)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
 def boundary_backward_carried(
     config: Config,
     next_dlayer_in,
@@ -317,6 +333,7 @@ def boundary_backward_carried(
     *,
     tile=None,
     interpret=None,
+    cores=None,
 ):
     """The backward of boundary_forward_carried (DeepSeek-V4.1): pre_backward_carried of l+1
     (carried = h_pre of l, x_{l+1} recomputed) and post_backward of l with g = its dx, fused.
@@ -324,12 +341,13 @@ def boundary_backward_carried(
     of l+1's own h_pre, after next_dx_partial), then x, layer_out, h_pre, h_post, h_res of l and
     l+1's Params. Returns (dx_partial, dlayer_out, dh_post, dh_res, dh_pre [T, n] f32 (l+1's
     dcarried: the cotangent of l's h_pre), dnorm_weight, dphi, dalpha, dbias): the contract of the
-    mhc_boundary_backward_carried target. `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    mhc_boundary_backward_carried target. `tile`, `interpret`: as mhc.tpu.pre_forward; `cores`: as
+    mhc.tpu.pre_backward."""
     operation = "boundary_backward_carried"
     cotangents = (next_dlayer_in, next_dx_partial, next_dh_pre, next_dh_post, next_dh_res)
     _check_backward(operation, config, cotangents, x, layer_out, h_post, h_res, params, tile)
     _check_h_pre(operation, h_pre, x)
-    return _backward(config, cotangents, x, layer_out, h_pre, h_post, h_res, params, tile, interpret)
+    return _backward(config, cotangents, x, layer_out, h_pre, h_post, h_res, params, tile, interpret, cores)
 
 
 def _check_backward(operation: str, config: Config, cotangents, x, layer_out, h_post, h_res, params, tile):
@@ -349,7 +367,7 @@ def _check_backward(operation: str, config: Config, cotangents, x, layer_out, h_
             )
 
 
-def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret):
+def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret, cores):
     """The fused backward for checked operands: cotangents (dlayer_in, dx_partial, dh_pre or None
     (V4), dh_post, dh_res) of l+1; h_pre OWN_GATES (V4) or l's, the carried mix of l+1."""
     dlayer_in, dx_partial_next, dh_pre_next, dh_post_next, dh_res_next = cotangents
@@ -372,16 +390,18 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     if config.mix == "permutations":
         parameters.append(jnp.asarray(_pre._permutation_table(n).T))
     dh_next = _pre_backward.coefficient_cotangents(config, dh_pre_next, dh_post_next, dh_res_next, tile)
-    whole_stream = pl.BlockSpec((tile, n, padded), lambda i, c: (i, 0, 0))
-    whole_features = pl.BlockSpec((tile, padded), lambda i, c: (i, 0))
-    chunk_stream = pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c))
-    chunk_features = pl.BlockSpec((tile, chunk), lambda i, c: (i, c))
-    gates = pl.BlockSpec((tile, n), lambda i, c: (i, 0))
-    mix = pl.BlockSpec((tile, n * n), lambda i, c: (i, 0))
+    operation = "boundary_backward_carried" if carried else "boundary_backward"
+    split = _layout.CoreSplit.plan(operation, t, tile, padded // chunk, cores)
+    whole_stream = pl.BlockSpec((tile, n, padded), lambda *step: (split.tile_block(*step), 0, 0))
+    whole_features = pl.BlockSpec((tile, padded), lambda *step: (split.tile_block(*step), 0))
+    chunk_stream = pl.BlockSpec((tile, n, chunk), lambda *step: _pre_backward._chunk_stream_block(split, *step))
+    chunk_features = pl.BlockSpec((tile, chunk), lambda *step: split.chunk_block(*step))
+    gates = pl.BlockSpec((tile, n), lambda *step: (split.tile_block(*step), 0))
+    mix = pl.BlockSpec((tile, n * n), lambda *step: (split.tile_block(*step), 0))
     single = pl.Buffered(buffer_count=1)
-    resident = lambda i, c: (0, 0)  # noqa: E731
+    resident = lambda *step: (0, 0)  # noqa: E731
     parameter_specs = [pl.BlockSpec(p.shape, resident, pipeline_mode=single) for p in parameters]
-    per_tile = pl.BlockSpec((None, g, tile), lambda i, c: (i, 0, 0))
+    per_tile = pl.BlockSpec((None, g, tile), lambda *step: (split.tile_block(*step), 0, 0))
     if carried:
         parameters.append(_pre.carried_lanes(config, h_pre, tile))
         parameter_specs.append(per_tile)
@@ -400,12 +420,13 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
             sinkhorn=config.mix == "sinkhorn",
             permutations=config.mix == "permutations",
             carried=carried,
+            split=split,
         ),
-        grid=(pl.cdiv(t, tile), padded // chunk),
+        grid=split.grid,
         in_specs=[
             whole_features,
             chunk_stream,
-            pl.BlockSpec((None, dh_next.shape[1], tile), lambda i, c: (i, 0, 0)),
+            pl.BlockSpec((None, dh_next.shape[1], tile), lambda *step: (split.tile_block(*step), 0, 0)),
             whole_stream,
             whole_features,
             gates,
@@ -417,9 +438,7 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
             chunk_features,
             gates,
             mix,
-            pl.BlockSpec(weight.shape, resident),
-            pl.BlockSpec((rows, 1), resident),
-            pl.BlockSpec((rows, 1), resident),
+            *_pre_backward.accumulator_specs(split, weight.shape, rows),
             *([per_tile] if carried else []),
         ],
         out_shape=[
@@ -427,16 +446,14 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
             jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
             jax.ShapeDtypeStruct((t, n), _F32),
             jax.ShapeDtypeStruct((t, n * n), _F32),
-            jax.ShapeDtypeStruct(weight.shape, _F32),
-            jax.ShapeDtypeStruct((rows, 1), _F32),
-            jax.ShapeDtypeStruct((rows, 1), _F32),
+            *_pre_backward.accumulator_shapes(split, weight.shape, rows),
             *([jax.ShapeDtypeStruct((pl.cdiv(t, tile), g, tile), _F32)] if carried else []),
         ],
         scratch_shapes=scratch,
-        # Both axes sequential: the parameter gradients accumulate over the tiles in order, dh_post
-        # and dh_res over the chunks.
-        name=_layout.kernel_name("boundary_backward_carried" if carried else "boundary_backward", tile),
-        compiler_params=_layout.compiler_params("arbitrary", "arbitrary"),
+        name=_layout.kernel_name(operation, tile),
+        # The cores in parallel; each core's tiles and the chunks sequential: the parameter
+        # gradients accumulate over a core's tiles in order, dh_post and dh_res over the chunks.
+        compiler_params=_layout.compiler_params(*split.dimension_semantics),
         # Spec: Boundary, (3n + 3) D e per token (x, layer_out, dx_partial of l+1, dlayer_in read;
         # dx_partial, dlayer_out written), plus the coefficients and the parameters and their
         # gradients.
@@ -467,5 +484,10 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
         dh_post,
         dh_res.reshape(t, n, n),
         *([_layout.tokens_from_lanes(dh_pre[0], t, n)] if carried else []),
-        *_pre_backward.parameter_grads(config, params, gram, dbias_rows[:, 0], dalpha_rows[:, 0], d),
+        *_pre_backward.parameter_grads(
+            config,
+            params,
+            *(_layout.sum_over_cores(partials) for partials in (gram, dbias_rows[:, :, 0], dalpha_rows[:, :, 0])),
+            d,
+        ),
     )

@@ -130,11 +130,13 @@ def head_forward(config: Config, x, head: HeadParams, *, tile: int | None = None
     return out[:, :d], gates
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
-def head_backward(config: Config, dout, x, head: HeadParams, *, tile: int | None = None, interpret=None):
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
+def head_backward(
+    config: Config, dout, x, head: HeadParams, *, tile: int | None = None, interpret=None, cores: int | None = None
+):
     """(dx [T, n, D] x's dtype, dfn [n, n D], dbase [n], dscale [1] f32) for the cotangent dout
     [T, D] (x's dtype) of head_forward's out: the contract of mhc.jax's head_backward kernel.
-    `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    `tile`, `interpret`: as mhc.tpu.pre_forward; `cores`: as mhc.tpu.pre_backward."""
     _check("head_backward", config, x, head, tile)
     t, n, d = x.shape
     if dout.shape != (t, d) or dout.dtype != x.dtype:
@@ -146,7 +148,7 @@ def head_backward(config: Config, dout, x, head: HeadParams, *, tile: int | None
     tile = tile or backward_tile(config, d, x.dtype)
     weight, scale, bias = _weight(config, head, d)
     dx, _, gram, dbias, dalpha = _pre_backward.run(
-        config, x, dout, None, None, weight, scale, bias, None, tile=tile, interpret=interpret
+        config, x, dout, None, None, weight, scale, bias, None, tile=tile, interpret=interpret, cores=cores
     )
     padded = _layout.padded_features(d)
     dfn = gram[:n].reshape(n, n, padded)[:, :, :d].reshape(n, n * d)

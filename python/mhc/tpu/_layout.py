@@ -18,6 +18,8 @@ softmax and the sums.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -41,6 +43,11 @@ FEATURE_CHUNK_LANES = 512
 # one policy, the chip's.
 VMEM_BY_DEVICE_KIND = {"TPU v5 lite": 128 * 2**20, "TPU v6 lite": 128 * 2**20, "TPU7x": 64 * 2**20}
 DEFAULT_VMEM = 64 * 2**20
+# TensorCores one jax device drives, by device_kind: v4 and v5p ("TPU v5") are megacore chips, two
+# TensorCores presented as one device, and Mosaic splits a grid's "parallel" axes between them
+# (JAX's pltpu.ChipVersion: supports_megacore). v5e and v6e have one TensorCore per chip; v7x's
+# two are separate jax devices. Anything else (or no TPU: the interpreter) counts as one.
+TENSOR_CORES_BY_DEVICE_KIND = {"TPU v4": 2, "TPU v5": 2}
 # The activation dtypes the kernels take (x, layer_out and the cotangents of the same shapes).
 ACTIVATION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -88,14 +95,99 @@ def coefficient_rows(n: int) -> int:
     return (2 + n) * group_rows(n)
 
 
-def chip_vmem() -> int:
-    """VMEM per core of the chip jax traces for: the default device (jax.default_device, as
+def _traced_device():
+    """The device jax traces for: the default device (jax.default_device, as
     mhc.tpu.compile_report sets for a compile-only topology) or else the first device of the
-    default backend; DEFAULT_VMEM for a chip not in VMEM_BY_DEVICE_KIND or a host without a TPU."""
+    default backend."""
     device = jax.config.jax_default_device
-    if not hasattr(device, "device_kind"):
-        device = jax.devices()[0]
-    return VMEM_BY_DEVICE_KIND.get(device.device_kind, DEFAULT_VMEM)
+    return device if hasattr(device, "device_kind") else jax.devices()[0]
+
+
+def chip_vmem() -> int:
+    """VMEM per core of the chip jax traces for (_traced_device); DEFAULT_VMEM for a chip not in
+    VMEM_BY_DEVICE_KIND or a host without a TPU."""
+    return VMEM_BY_DEVICE_KIND.get(_traced_device().device_kind, DEFAULT_VMEM)
+
+
+def tensor_cores() -> int:
+    """TensorCores of the device jax traces for (TENSOR_CORES_BY_DEVICE_KIND; 1 if not listed)."""
+    return TENSOR_CORES_BY_DEVICE_KIND.get(_traced_device().device_kind, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreSplit:
+    """The backwards' grid (cores, token tiles per core, feature chunks): the first axis
+    "parallel" (one per TensorCore on a megacore chip), the others sequential, since each core
+    adds its tiles' parameter gradients into its own resident output blocks.
+
+    Core p takes the consecutive token tiles p * tiles_per_core ... (tiles_per_core =
+    ceil(tiles / cores requested)); only as many cores as hold a tile are used (`cores`), so no
+    core is empty, but the last one may hold fewer tiles: its trailing steps map every block to
+    its last tile's last chunk (the block it has just written, so nothing is fetched or written
+    back in between) and do nothing (`when_holding_a_tile`). With one core the grid is the
+    tiles in order, as before the split."""
+
+    tiles: int
+    chunks: int
+    cores: int
+    tiles_per_core: int
+
+    @classmethod
+    def plan(cls, operation: str, tokens: int, tile: int, chunks: int, cores: int | None = None) -> CoreSplit:
+        """For T = tokens > 0 in tiles of `tile` tokens; `cores`: those asked for (default: the
+        traced device's, tensor_cores()). `operation` names the kernel in the error for bad cores."""
+        if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool) or cores < 1):
+            raise ValueError(f"mhc.tpu.{operation}: cores: expected a positive int or None, got {cores!r}")
+        tiles = pl.cdiv(tokens, tile)
+        per_core = pl.cdiv(tiles, max(1, min(cores or tensor_cores(), tiles)))
+        return cls(tiles, chunks, pl.cdiv(tiles, per_core), per_core)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.cores, self.tiles_per_core, self.chunks)
+
+    @property
+    def dimension_semantics(self) -> tuple[str, str, str]:
+        return ("parallel", "arbitrary", "arbitrary")
+
+    def token_tile(self, core, step):
+        """The token tile at grid step (core, step), unclamped: past the last at a trailing step."""
+        return core * self.tiles_per_core + step
+
+    def tile_block(self, core, step, chunk):
+        """The index map of a per-tile block (first block axis: the token tile)."""
+        del chunk
+        return jnp.minimum(self.token_tile(core, step), self.tiles - 1)
+
+    def chunk_block(self, core, step, chunk):
+        """(token tile, feature chunk) of a per-chunk block: a trailing step stays on the last
+        tile's last chunk."""
+        holds_tile = self.token_tile(core, step) < self.tiles
+        return self.tile_block(core, step, chunk), jnp.where(holds_tile, chunk, self.chunks - 1)
+
+    @staticmethod
+    def core_block(core, step, chunk):
+        """The index map of a core's own accumulator block (first block axis: the core)."""
+        del step, chunk
+        return core
+
+    def position(self):
+        """In the kernel: (token tile, feature chunk, this core's first step) of this grid step."""
+        core, step, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        return self.token_tile(core, step), chunk, (step == 0) & (chunk == 0)
+
+    def when_holding_a_tile(self, body):
+        """body() at every grid step that holds a token tile (all but the trailing steps)."""
+        if self.cores * self.tiles_per_core == self.tiles:
+            body()
+        else:
+            pl.when(self.token_tile(pl.program_id(0), pl.program_id(1)) < self.tiles)(body)
+
+
+def sum_over_cores(partials):
+    """The per-core partial sums [cores, ...] added in core order (a fixed order: bitwise
+    reproducible; with one core, partials[0] itself)."""
+    return functools.reduce(jnp.add, [partials[core] for core in range(partials.shape[0])])
 
 
 def vmem_budget(capacity: int) -> int:

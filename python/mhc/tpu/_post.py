@@ -133,8 +133,21 @@ def _columns(values, width: int):
 
 
 def _backward_kernel(
-    g_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref, dx_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, *, n
+    g_ref,
+    x_ref,
+    layer_out_ref,
+    h_post_ref,
+    h_res_ref,
+    dx_ref,
+    dlayer_out_ref,
+    dh_post_ref,
+    dh_res_ref,
+    *,
+    n,
+    chunk_axis=1,
 ):
+    """chunk_axis: the grid axis of the feature chunks, over which dh_post and dh_res accumulate
+    (the fused boundary backward's grid has a core axis in front: 2)."""
     layer_out = layer_out_ref[...].astype(_F32)
     h_post, h_res = h_post_ref[...], h_res_ref[...]
     g = [_stream(g_ref, j) for j in range(n)]
@@ -154,7 +167,7 @@ def _backward_kernel(
         dx_ref[:, i, :] = dx.astype(dx_ref.dtype)
     dh_res = _columns(dh_res, n * n)
 
-    @pl.when(pl.program_id(1) == 0)
+    @pl.when(pl.program_id(chunk_axis) == 0)
     def _first_chunk():
         dh_post_ref[...] = jnp.zeros_like(dh_post)
         dh_res_ref[...] = jnp.zeros_like(dh_res)

@@ -1,13 +1,15 @@
 """The pre backward as one Pallas TPU kernel (unverified on TPU hardware: checked in TPU interpret
 mode, by lowering to Mosaic and by compiling for v5e/v6e, never run on a chip).
 
-Grid (token tiles, feature chunks), both sequential. The x block is the whole tile [tile, n, Dp]
-(its index does not change over the chunks, so it is read from HBM once per tile); at the first
+Grid (cores, token tiles per core, feature chunks: _layout.CoreSplit), the cores in parallel,
+the rest sequential. The x block is the whole tile [tile, n, Dp] (its index does not change over
+the chunks, so it is read from HBM once per tile); at the first
 chunk the kernel recomputes the forward's coefficients from it (_pre's projection, gates and
 Sinkhorn, every Sinkhorn step kept in VMEM), runs the spec's backward through the gates, the
 Sinkhorn steps or the permutation softmax and the RMS statistic with the tokens in the lanes, and
-adds this tile's share of the parameter gradients to output blocks that stay resident over the
-whole grid (so they are summed tile after tile, in a fixed order: bitwise reproducible). Every
+adds this tile's share of the parameter gradients to its core's output blocks, which stay
+resident over the core's steps (so they are summed tile after tile, then over the cores in core
+order: a fixed order, bitwise reproducible; with one core, the tiles in order). Every
 chunk then writes its lanes of dx = dx_partial + H_pre dli + dP W - dr r^3 x / M, with dx_partial
 and dx in [tile, n, chunk] blocks (whole ones would not fit VMEM in bf16 at D = 2048).
 
@@ -115,20 +117,23 @@ def backward_body(
     config: Config,
     features: int,
     tokens: int,
+    split: _layout.CoreSplit,
     carried_ref=_pre.OWN_GATES,
     dcarried_ref=None,
 ):
-    """One grid step (token tile i, feature chunk c) of the pre backward, for the pre kernel, the
-    head (gates only: dx_partial_ref, dh_ref, table_t_ref and steps_ref None, weight_ref with the
-    pre group only) and a fused boundary kernel whose blocks are already in VMEM.
+    """One grid step (token tile i, feature chunk c: split.position()) of the pre backward, for the
+    pre kernel, the head (gates only: dx_partial_ref, dh_ref, table_t_ref and steps_ref None,
+    weight_ref with the pre group only) and a fused boundary kernel whose blocks are already in
+    VMEM.
 
     Inputs: dli_ref [tile, Dp], dx_partial_ref [tile, n, chunk], dh_ref ((1 + n) G, tile) (dH_post
     then the rows of dH_res, the tokens in the lanes), x_ref [tile, n, Dp], the transposed weight
     (rows, n Dp) with its alpha and bias columns (rows, 1) (_pre._transposed_weight's layout),
     table_t_ref the transposed permutation table (Rp, n G) or None. Outputs: dx_ref [tile, n, chunk]
-    and three accumulators over the whole grid: gram_ref (rows, n Dp) = sum_t dP x (the projection
-    gradient before the norm weight), dbias_ref and dalpha_ref (rows, 1) = sum_t da and
-    sum_t da Z per logit row. Scratch: steps_ref (2 iters, n G, tile) (Sinkhorn) and columns_ref
+    and three accumulators over this core's tiles (split): gram_ref (rows, n Dp) = sum_t dP x (the
+    projection gradient before the norm weight), dbias_ref and dalpha_ref (rows, 1) = sum_t da and
+    sum_t da Z per logit row. The caller runs it only at steps that hold a tile
+    (split.when_holding_a_tile). Scratch: steps_ref (2 iters, n G, tile) (Sinkhorn) and columns_ref
     (tile, rows + G + 8): dP and the per-token scalars with the tokens in the sublanes.
     `tokens`: T, to mask the ragged last tile out of the parameter gradients.
 
@@ -142,10 +147,10 @@ def backward_body(
     own_gates = carried_ref is _pre.OWN_GATES
     tile, padded, chunk = x_ref.shape[0], x_ref.shape[2], dx_ref.shape[2]
     rows = weight_ref.shape[0]
-    i, c = pl.program_id(0), pl.program_id(1)
+    i, c, first_step = split.position()
     valid_tokens = tokens - i * tile
 
-    @pl.when((i == 0) & (c == 0))
+    @pl.when(first_step)
     def _start():
         gram_ref[...] = jnp.zeros_like(gram_ref)
         dbias_ref[...] = jnp.zeros_like(dbias_ref)
@@ -308,31 +313,39 @@ def run(
     tile: int,
     interpret,
     carried=_pre.OWN_GATES,
+    cores: int | None = None,
 ):
     """The pallas_call for x [T, n, D] (T > 0), shared by the pre, V4.1's carried pre and head
     backwards: returns dx [T, n, D], dcarried [T, n] (None but for a carried mix) and the
-    accumulators (gram (rows, n Dp), dbias (rows, 1), dalpha (rows, 1)). dx_partial and dh None
-    for the head; dh [token tiles, (1 + n) G, tile] (_layout.tokens_in_lanes), with dH_pre's group
-    in front ((2 + n) G rows) for V4.1; table_t None but for permutations. carried: OWN_GATES
-    (V4), None (V4.1's one-hot on stream 0) or the carried mix [token tiles, G, tile]."""
+    accumulators (gram (rows, n Dp), dbias (rows), dalpha (rows)), summed over the cores in core
+    order (`cores`: the TensorCores to split the token tiles over, _layout.CoreSplit; default the
+    traced device's). dx_partial and dh None for the head; dh [token tiles, (1 + n) G, tile]
+    (_layout.tokens_in_lanes), with dH_pre's group in front ((2 + n) G rows) for V4.1; table_t
+    None but for permutations. carried: OWN_GATES (V4), None (V4.1's one-hot on stream 0) or the
+    carried mix [token tiles, G, tile]."""
     t, n, d = x.shape
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     rows, g = weight.shape[0], _layout.group_rows(n)
     gates_only = dh is None
     size = x.dtype.itemsize
-    whole = lambda i, c: (0, 0)  # noqa: E731
+    # The head's backward has no dh; V4.1's carried pre backward a carried mix.
+    operation = (
+        "head_backward" if gates_only else ("pre_backward" if carried is _pre.OWN_GATES else "pre_backward_carried")
+    )
+    split = _layout.CoreSplit.plan(operation, t, tile, padded // chunk, cores)
+    whole = lambda *step: (0, 0)  # noqa: E731
     # The parameters' blocks never change: fetched once, single-buffered.
     once = pl.Buffered(buffer_count=1)
-    streams = pl.BlockSpec((tile, n, chunk), lambda i, c: (i, 0, c))
+    streams = pl.BlockSpec((tile, n, chunk), lambda *step: _chunk_stream_block(split, *step))
     operands = [_layout.pad_features(dlayer_in, padded)]
-    in_specs = [pl.BlockSpec((tile, padded), lambda i, c: (i, 0))]
+    in_specs = [pl.BlockSpec((tile, padded), lambda *step: (split.tile_block(*step), 0))]
     if not gates_only:
         operands += [_layout.pad_features(dx_partial, padded), dh]
-        in_specs += [streams, pl.BlockSpec((None, dh.shape[1], tile), lambda i, c: (i, 0, 0))]
+        in_specs += [streams, pl.BlockSpec((None, dh.shape[1], tile), lambda *step: (split.tile_block(*step), 0, 0))]
     operands += [_layout.pad_features(x, padded), weight, scale, bias]
     in_specs += [
-        pl.BlockSpec((tile, n, padded), lambda i, c: (i, 0, 0)),
+        pl.BlockSpec((tile, n, padded), lambda *step: (split.tile_block(*step), 0, 0)),
         pl.BlockSpec(weight.shape, whole, pipeline_mode=once),
         pl.BlockSpec((rows, 1), whole, pipeline_mode=once),
         pl.BlockSpec((rows, 1), whole, pipeline_mode=once),
@@ -341,7 +354,7 @@ def run(
         operands.append(table_t)
         in_specs.append(pl.BlockSpec(table_t.shape, whole, pipeline_mode=once))
     with_carried = carried is not _pre.OWN_GATES and carried is not None
-    per_tile = pl.BlockSpec((None, g, tile), lambda i, c: (i, 0, 0))
+    per_tile = pl.BlockSpec((None, g, tile), lambda *step: (split.tile_block(*step), 0, 0))
     if with_carried:
         operands.append(carried)
         in_specs.append(per_tile)
@@ -364,26 +377,29 @@ def run(
         dcarried_ref = refs.pop(0) if with_carried else None
         steps_ref = refs.pop(0) if sinkhorn else None
         (columns_ref,) = refs
-        backward_body(
-            dli_ref,
-            dx_partial_ref,
-            dh_ref,
-            x_ref,
-            weight_ref,
-            scale_ref,
-            bias_ref,
-            table_t_ref,
-            dx_ref,
-            gram_ref,
-            dbias_ref,
-            dalpha_ref,
-            steps_ref,
-            columns_ref,
-            config=config,
-            features=d,
-            tokens=t,
-            carried_ref=carried_ref,
-            dcarried_ref=dcarried_ref,
+        split.when_holding_a_tile(
+            lambda: backward_body(
+                dli_ref,
+                dx_partial_ref,
+                dh_ref,
+                x_ref,
+                weight_ref,
+                scale_ref,
+                bias_ref,
+                table_t_ref,
+                dx_ref,
+                gram_ref,
+                dbias_ref,
+                dalpha_ref,
+                steps_ref,
+                columns_ref,
+                config=config,
+                features=d,
+                tokens=t,
+                split=split,
+                carried_ref=carried_ref,
+                dcarried_ref=dcarried_ref,
+            )
         )
 
     iterations = 2 * config.sinkhorn_iters if sinkhorn else 1
@@ -399,43 +415,49 @@ def run(
             + 2 * rows * (n * padded + 2) * 4
         ),
     )
-    out_specs = [
-        streams,
-        pl.BlockSpec(weight.shape, whole),
-        pl.BlockSpec((rows, 1), whole),
-        pl.BlockSpec((rows, 1), whole),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((t, n, padded), x.dtype),
-        jax.ShapeDtypeStruct(weight.shape, _F32),
-        jax.ShapeDtypeStruct((rows, 1), _F32),
-        jax.ShapeDtypeStruct((rows, 1), _F32),
-    ]
+    out_specs = [streams, *accumulator_specs(split, weight.shape, rows)]
+    out_shape = [jax.ShapeDtypeStruct((t, n, padded), x.dtype), *accumulator_shapes(split, weight.shape, rows)]
     if with_carried:
         out_specs.append(per_tile)
         out_shape.append(jax.ShapeDtypeStruct(carried.shape, _F32))
     dx, gram, dbias, dalpha, *dcarried = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(t, tile), padded // chunk),
+        grid=split.grid,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         scratch_shapes=scratch,
-        # The head's backward has no dh; V4.1's carried pre backward a carried mix.
-        name=_layout.kernel_name(
-            "head_backward"
-            if gates_only
-            else ("pre_backward" if carried is _pre.OWN_GATES else "pre_backward_carried"),
-            tile,
-        ),
-        # Both axes sequential: the parameter gradients accumulate over the tiles in order.
-        compiler_params=_layout.compiler_params("arbitrary", "arbitrary"),
+        name=_layout.kernel_name(operation, tile),
+        # The cores in parallel; each core's tiles and the chunks sequential: the parameter
+        # gradients accumulate over a core's tiles in order.
+        compiler_params=_layout.compiler_params(*split.dimension_semantics),
         cost_estimate=cost,
         interpret=interpret if interpret is not None else False,
     )(*operands)
     # dcarried: [token tiles, G, tile] -> [T, n].
     dcarried = _layout.tokens_from_lanes(dcarried[0], t, n) if with_carried else None
+    gram, dbias, dalpha = (_layout.sum_over_cores(partials) for partials in (gram, dbias, dalpha))
     return dx[:, :, :d], dcarried, gram, dbias[:, 0], dalpha[:, 0]
+
+
+def _chunk_stream_block(split: _layout.CoreSplit, *step):
+    """The index map of a [tile, n, chunk] block."""
+    token_tile, chunk = split.chunk_block(*step)
+    return token_tile, 0, chunk
+
+
+def accumulator_specs(split: _layout.CoreSplit, weight_shape, rows: int):
+    """BlockSpecs of the parameter-gradient accumulators (gram of the weight's shape, dbias and
+    dalpha (rows, 1)): one block per core (its first axis squeezed), resident over its steps."""
+    return [
+        pl.BlockSpec((None, *shape), lambda *step: (split.core_block(*step), 0, 0))
+        for shape in (weight_shape, (rows, 1), (rows, 1))
+    ]
+
+
+def accumulator_shapes(split: _layout.CoreSplit, weight_shape, rows: int):
+    """The accumulators' f32 outputs: [cores, ...] partial sums (_layout.sum_over_cores)."""
+    return [jax.ShapeDtypeStruct((split.cores, *shape), _F32) for shape in (weight_shape, (rows, 1), (rows, 1))]
 
 
 def _logit_row_of_column(config: Config) -> np.ndarray:
@@ -448,7 +470,7 @@ def _logit_row_of_column(config: Config) -> np.ndarray:
     return np.asarray(list(range(n)) + [g + k for k in range(n)] + residual)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
 def pre_backward(
     config: Config,
     dlayer_in,
@@ -460,19 +482,21 @@ def pre_backward(
     *,
     tile: int | None = None,
     interpret=None,
+    cores: int | None = None,
 ):
     """(dx [T, n, D] x's dtype, dnorm_weight [n D], dphi [n D, N], dalpha [3], dbias [N] f32): the
     contract of mhc.jax's pre_backward kernel (operands in its order; dlayer_in [T, D] and
     dx_partial [T, n, D] in x's dtype, dh_post [T, n] and dh_res [T, n, n] f32, Params in the
-    kernels' layout). `tile`, `interpret`: as mhc.tpu.pre_forward."""
+    kernels' layout). `tile`, `interpret`: as mhc.tpu.pre_forward. `cores`: the TensorCores the
+    token tiles are split over (default: the device's, _layout.tensor_cores; docs/tpu.md)."""
     _check("mhc.tpu.pre_backward", config, _v4_cotangents(dlayer_in, dx_partial, dh_post, dh_res), x, params, tile)
     dx, _, *grads = _backward(
-        config, dlayer_in, dx_partial, None, dh_post, dh_res, x, _pre.OWN_GATES, params, tile, interpret
+        config, dlayer_in, dx_partial, None, dh_post, dh_res, x, _pre.OWN_GATES, params, tile, interpret, cores
     )
     return (dx, *grads)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
 def pre_backward_carried(
     config: Config,
     dlayer_in,
@@ -486,6 +510,7 @@ def pre_backward_carried(
     *,
     tile: int | None = None,
     interpret=None,
+    cores: int | None = None,
 ):
     """DeepSeek-V4.1's pre backward (spec: Single-pass schedule): (dx [T, n, D] x's dtype, dcarried
     [T, n] or [T, 0], dnorm_weight, dphi, dalpha, dbias f32), the contract of the
@@ -499,7 +524,18 @@ def pre_backward_carried(
     _pre.check_carried(operation, carried, *x.shape[:2])
     one_hot = carried.shape[1] == 0
     dx, dcarried, *grads = _backward(
-        config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, None if one_hot else carried, params, tile, interpret
+        config,
+        dlayer_in,
+        dx_partial,
+        dh_pre,
+        dh_post,
+        dh_res,
+        x,
+        None if one_hot else carried,
+        params,
+        tile,
+        interpret,
+        cores,
     )
     return (dx, jnp.zeros((x.shape[0], 0), _F32) if one_hot else dcarried, *grads)
 
@@ -517,7 +553,9 @@ def coefficient_cotangents(config: Config, dh_pre, dh_post, dh_res, tile: int):
     return _layout.tokens_in_lanes(jnp.concatenate(columns, axis=1), rows, (len(columns) - 1 + n) * g, tile)
 
 
-def _backward(config: Config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, params, tile, interpret):
+def _backward(
+    config: Config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, params, tile, interpret, cores
+):
     """The pre backward for checked operands: (dx, dcarried or None, *parameter grads). carried:
     OWN_GATES (V4: dh_pre None, computed in the kernel), None (V4.1's one-hot) or [T, n] f32."""
     t, n, d = x.shape
@@ -550,6 +588,7 @@ def _backward(config: Config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x,
         tile=tile,
         interpret=interpret,
         carried=carried,
+        cores=cores,
     )
     return (dx, dcarried, *parameter_grads(config, params, gram, dbias_rows, dalpha_rows, d))
 

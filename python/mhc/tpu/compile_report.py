@@ -95,10 +95,17 @@ def _operands(kinds, config: Config, d: int, t: int, dtype, sharding):
 
 
 def _grid(lowered_text: str) -> list[int] | None:
-    """The Mosaic kernel's grid, read from its iteration bounds in the lowered module (the first
-    axis is the token tiles: the tile is T over it), or None if it is not found."""
+    """The Mosaic kernel's grid, read from its iteration bounds in the lowered module (the token
+    tiles first, or for the backwards' three axes the cores then the tiles per core: _token_tiles),
+    or None if it is not found."""
     match = re.search(r"iteration_bounds = array<i64: ([\d, ]+)>", lowered_text)
     return [int(v) for v in match.group(1).split(",")] if match else None
+
+
+def _token_tiles(grid: list[int]) -> int:
+    """The token tiles of a kernel's grid: its first axis, or for the backwards (cores, tiles per
+    core, feature chunks: mhc.tpu._layout.CoreSplit) the first two."""
+    return grid[0] * grid[1] if len(grid) == 3 else grid[0]
 
 
 def _report(compiled_text: str, x_bytes: int):
@@ -186,7 +193,7 @@ def main():
                     compiled = lowered.compile()
                 seconds = time.perf_counter() - start
                 grid = _grid(_mosaic_text(lowered.as_text()))
-                tile = -(-args.tokens // grid[0]) if grid else "?"
+                tile = -(-args.tokens // _token_tiles(grid)) if grid else "?"
                 spec_bytes = args.tokens * units(args.n) * d * size
                 vmem, copies = _report(compiled.as_text(), args.tokens * args.n * d * size)
                 floor_us = _schedule.floor_us(spec_bytes, chip)
