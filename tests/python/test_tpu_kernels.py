@@ -248,6 +248,31 @@ def test_projection_dots_carry_full_f32_precision(n, mix, dtype):
     assert_pre_forward_matmuls_f32_accurate(kernels[0], config, jnp.dtype(dtype), padded=256)
 
 
+@pytest.mark.parametrize(("n", "d", "mix"), [(4, 300, "permutations"), (3, 130, "sinkhorn")])
+def test_stacked_projection_carries_the_weights_24_bits(seed, n, d, mix):
+    """The bf16 terms of the pre forward's weight (hi + mid + lo, stacked per chunk of the
+    projection's loop) add up to the folded f32 weight norm_weight * phi within 2^-24 of each
+    value (spec: Precision policy: a third term left out leaves about 2^-17), the padded features
+    zero; the selection under them puts each column of each stream on its coefficient row."""
+    config = mj.Config(n=n, mix=mix)
+    params = random_numpy_params(np.random.default_rng(seed), config, d)
+    padded, width = mhc.tpu._layout.padded_features(d), config.projection_width
+    chunk = mhc.tpu._pre._projection_chunk(padded)
+    stacked = np.asarray(mhc.tpu._pre.stacked_projection(config, params, d, padded).astype(jnp.float32), np.float64)
+    terms = stacked[: 3 * padded].reshape(padded // chunk, 3, chunk, n * width).sum(axis=1).reshape(padded, n * width)
+    # the f32 product the wrapper folds (one rounding, as numpy's f32 multiply)
+    folded = np.asarray(params.norm_weight, np.float32)[:, None] * np.asarray(params.phi, np.float32)
+    folded = np.asarray(folded, np.float64).reshape(n, d, width)
+    want = np.zeros((padded, n, width))
+    want[:d] = np.transpose(folded, (1, 0, 2))
+    want = want.reshape(padded, n * width)
+    assert np.all(np.abs(terms - want) <= 2.0**-24 * np.abs(want)), np.max(np.abs(terms - want) / np.abs(want + 1e-300))
+    selection = stacked[3 * padded :]
+    rows = mhc.tpu._pre._destinations(config)
+    for k in range(n):
+        np.testing.assert_array_equal(selection[:, k * width : (k + 1) * width], np.eye(selection.shape[0])[:, rows])
+
+
 def assert_pre_forward_matmuls_f32_accurate(kernel: str, config, dtype, padded: int):
     """The matmuls of a kernel that runs the pre forward's body (pre, boundary, V4.1's carried
     forms): f32 operands at fp32 contraction precision (the f32 projection per stream, the
