@@ -475,8 +475,8 @@ MUTATIONS = (
         (
             Edit(
                 TPU_PRE,
-                "return jnp.dot(a, weight, precision=_HIGHEST, preferred_element_type=_F32)",
-                "return jnp.dot(a, weight, preferred_element_type=_F32)",
+                "return jnp.dot(a, hi + (mid + lo), precision=_HIGHEST, preferred_element_type=_F32)",
+                "return jnp.dot(a, hi + (mid + lo), preferred_element_type=_F32)",
             ),
         ),
         python=True,
@@ -493,17 +493,16 @@ MUTATIONS = (
     ),
     Mutation(
         "tpu_pre_apply_bf16_running_sum",
-        "the TPU pre_apply (pre, boundary, head, collapse) keeps its running sum in bf16 (x's dtype), not f32",
+        "the TPU pre_apply (pre, boundary, head, collapse) keeps its running sum in bf16, not f32",
         (
             Edit(
                 TPU_PRE,
-                "    layer_in = gates[:, 0:1] * x_ref[tokens, 0, lanes].astype(_F32)\n"
-                "    for k in range(1, n):\n"
-                "        layer_in += gates[:, k : k + 1] * x_ref[tokens, k, lanes].astype(_F32)\n",
-                "    layer_in = (gates[:, 0:1] * x_ref[tokens, 0, lanes].astype(_F32)).astype(x_ref.dtype)\n"
-                "    for k in range(1, n):\n"
-                "        layer_in = (layer_in + gates[:, k : k + 1] * x_ref[tokens, k, lanes].astype(_F32))"
-                ".astype(x_ref.dtype)\n",
+                "    layer_in = gates[0] * streams[0]\n"
+                "    for k in range(1, len(streams)):\n"
+                "        layer_in += gates[k] * streams[k]\n",
+                "    layer_in = (gates[0] * streams[0]).astype(jnp.bfloat16)\n"
+                "    for k in range(1, len(streams)):\n"
+                "        layer_in = (layer_in + gates[k] * streams[k]).astype(jnp.bfloat16)\n",
             ),
         ),
         python=True,

@@ -196,7 +196,7 @@ def streamed_projection(x_ref, projection_ref, *, n: int, features: int, rms_eps
             return carry
 
         if rows_view:
-            jax.lax.fori_loop(0, padded // chunk * groups, rows_step, 0)
+            jax.lax.fori_loop(0, padded // chunk * groups, rows_step, 0, unroll=2)
         else:
             jax.lax.fori_loop(0, padded // chunk, step, 0)
         if rows_view:
