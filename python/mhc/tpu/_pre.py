@@ -435,25 +435,38 @@ def _destinations(config: Config) -> np.ndarray:
 
 
 def stacked_projection(config: Config, params: Params, features: int, padded: int):
-    """streamed_projection's operand [3 Dp + rows, n N] bf16. The folded weight norm_weight * phi
-    as [Dp, n N] (stream k's N columns at lanes k N, the padded features zero) split into three
-    bf16 terms (hi, mid, lo: hi + mid + lo carries its 24 bits, spec: Precision policy), stacked
-    per chunk of the projection's loop: rows 3 c C .. 3 (c + 1) C hold chunk c's hi, mid, lo (C =
-    _projection_chunk). Then the selection (rows, n N): 1 at (destination of column c, k N + c)
-    for every k."""
-    n, width, chunk = config.n, config.projection_width, _projection_chunk(padded)
-    folded = (params.norm_weight[:, None] * params.phi).reshape(n, features, width).astype(_F32)
-    folded = jnp.pad(folded, ((0, 0), (0, padded - features), (0, 0)))
+    """streamed_projection's operand for the pre forward (stacked_weight_terms): the folded weight
+    norm_weight * phi, its columns on their coefficient rows (_destinations)."""
+    n, width = config.n, config.projection_width
+    folded = (params.norm_weight[:, None] * params.phi).reshape(n, features, width)
+    return stacked_weight_terms(folded, padded, _destinations(config), _layout.logit_rows(n, config.mix))
+
+
+def stacked_weight_terms(folded, padded: int, destinations, rows: int):
+    """streamed_projection's operand [3 Dp + rows, n N] bf16 from a weight folded [n, D, N] (stream
+    k's feature d, column c). The weight as [Dp, n N] (stream k's N columns at lanes k N, the
+    padded features zero) split into three bf16 terms (hi, mid, lo: hi + mid + lo carries its 24
+    bits, spec: Precision policy), stacked per chunk of the projection's loop: rows 3 c C ..
+    3 (c + 1) C hold chunk c's hi, mid, lo (C = _projection_chunk). Then the selection (rows,
+    n N): 1 at (destinations[c], k N + c) for every k."""
+    n, features, width = folded.shape
+    chunk = _projection_chunk(padded)
+    folded = jnp.pad(jnp.asarray(folded, _F32), ((0, 0), (0, padded - features), (0, 0)))
     weight = jnp.transpose(folded, (1, 0, 2)).reshape(padded, n * width)
     hi = weight.astype(jnp.bfloat16)
     rest = weight - hi.astype(_F32)
     mid = rest.astype(jnp.bfloat16)
     lo = (rest - mid.astype(_F32)).astype(jnp.bfloat16)
     terms = jnp.stack([t.reshape(padded // chunk, chunk, n * width) for t in (hi, mid, lo)], axis=1)
-    selection = np.zeros((_layout.logit_rows(n, config.mix), n * width), np.float32)
+    selection = np.zeros((rows, n * width), np.float32)
     for k in range(n):
-        selection[_destinations(config), k * width + np.arange(width)] = 1.0
+        selection[np.asarray(destinations), k * width + np.arange(width)] = 1.0
     return jnp.concatenate([terms.reshape(3 * padded, n * width), jnp.asarray(selection, jnp.bfloat16)], axis=0)
+
+
+def stacked_bytes(n: int, width: int, padded: int, rows: int) -> int:
+    """VMEM bytes of stacked_weight_terms' operand (bf16, lanes padded to 128)."""
+    return (3 * padded + rows) * _layout.round_up(n * width, _layout.LANES) * 2
 
 
 def token_tile(config: Config, d: int, dtype, capacity: int | None = None, *, carried: bool = False) -> int:
@@ -484,8 +497,7 @@ def parameter_bytes(config: Config, padded: int) -> int:
     ones, each single-buffered (their block never changes)."""
     n, rows = config.n, _layout.logit_rows(config.n, config.mix)
     table = n * _layout.group_rows(n) * rows if config.mix == "permutations" else 0
-    stacked = (3 * padded + rows) * _layout.round_up(n * config.projection_width, _layout.LANES) // 2
-    weight = max(rows * n * padded, stacked)
+    weight = max(rows * n * padded, stacked_bytes(n, config.projection_width, padded, rows) // 4)
     return (weight + 2 * rows * _layout.LANES + table + _layout.SUBLANES * padded) * 4
 
 
