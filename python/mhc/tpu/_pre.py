@@ -1,9 +1,12 @@
 """The pre forward as one Pallas TPU kernel per token tile (unverified on TPU hardware: checked in
 TPU interpret mode, by lowering to Mosaic and by compiling for v5e/v6e, never run on a chip).
 
-Per tile, x is read from HBM once: the projection and the sum of squares stream over it one
-stream at a time (the MXU, full f32 precision), the coefficients follow with the tokens in the
-lanes (spec: Forward steps 1-5), and the pre-apply re-reads the tile from VMEM.
+Per tile, x is read from HBM once: the projection (the MXU, x streamed against the weight's
+three bf16 terms: full f32 accuracy) and the sum of squares (the VPU) stream over it chunk by
+chunk (streamed_projection), the coefficients follow with the tokens in the lanes (spec: Forward
+steps 1-5), and the pre-apply re-reads the tile from VMEM window by window (streamed_pre_apply).
+No (tile, Dp) f32 value is live (docs/tpu.md, "The pre forward streamed through the features").
+The backwards recompute the coefficients with the per-stream `projection`.
 
 pre_forward_carried is DeepSeek-V4.1's (spec: Single-pass schedule; unverified on TPU hardware as
 the rest): the same kernel, whose pre-apply reads the carried mix (a (G, tile) block per token
@@ -117,8 +120,9 @@ def _rows_view(n: int, dtype) -> bool:
     return jnp.dtype(dtype) == jnp.bfloat16 and n == 4
 
 
-# Tokens per MXU product of the rows view: their products (4 of their rows per token, 128 lanes,
-# f32) stay in registers while the contraction's partial sums pop off the MXU.
+# Tokens per MXU product of the rows view: their products (4 rows per token, 128 lanes, f32: 32
+# vregs) are what the contraction's partial sums pop into (32 and 128 were tried: no better on
+# v5e, worse on v6e; docs/tpu.md).
 _PROJECTION_TOKENS = 64
 # The bf16 terms of the projection weight (hi, mid, lo: together its 24 bits), stacked along the
 # contraction of each chunk (stacked_projection).
@@ -148,10 +152,11 @@ def _lane_folded_squares(values):
 
 def streamed_projection(x_ref, projection_ref, *, n: int, features: int, rms_eps: float):
     """(P (rows, tile), r (1, tile)) for the token tile x_ref [tile, n, Dp] (spec: Forward steps
-    1-2) from the stacked projection operand (stacked_projection: the weight [Dp, n N], the
-    columns of stream k at k N, as three bf16 terms per chunk, then the selection). A loop over chunks of Dp streams
-    x through the MXU once (x the streamed operand, the weight chunk stationary) and the VPU's sum
-    of squares, both accumulated in VMEM, so no (tile, Dp) f32 value is live; after it the
+    1-2) from the stacked projection operand (stacked_weight_terms: the weight [Dp, n N], the
+    columns of stream k at k N, as three bf16 terms per chunk, then the selection). A loop over
+    chunks of Dp (and, in the rows view, groups of _PROJECTION_TOKENS tokens) streams x through
+    the MXU once (x the streamed operand, the weight chunk stationary) and the VPU's sum of
+    squares, both accumulated in VMEM, so no (tile, Dp) f32 value is live; after it the
     selection, one f32-exact product with the tokens in the lanes, keeps stream k's block of the
     products, sums over the streams and puts each projection column on its group-aligned row. The
     f32 sums run over the chunks in order, then over the 128 lanes and the streams."""
