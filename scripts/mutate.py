@@ -526,32 +526,38 @@ MUTATIONS = (
     ),
     Mutation(
         "tpu_projection_default_precision",
-        "the TPU pre kernel's projection dot drops precision=HIGHEST (default MXU precision, not fp32 contraction)",
+        "the TPU pre kernel's f32 projection dot drops precision=HIGHEST (default MXU precision, not fp32 contraction)",
         (
             Edit(
                 TPU_PRE,
-                "logits += jax.lax.dot_general(weight, stream, _CONTRACT_LANES, precision=_HIGHEST, "
-                "preferred_element_type=_F32)",
-                "logits += jax.lax.dot_general(weight, stream, _CONTRACT_LANES, preferred_element_type=_F32)",
+                "return jnp.dot(a, hi + (mid + lo), precision=_HIGHEST, preferred_element_type=_F32)",
+                "return jnp.dot(a, hi + (mid + lo), preferred_element_type=_F32)",
             ),
         ),
         python=True,
         # The interpreter computes in f32 whatever precision was asked: only the lowered Mosaic shows it.
-        python_tests=(f"{TPU_TESTS}::test_projection_dots_carry_full_f32_precision[sinkhorn]",),
+        python_tests=(f"{TPU_TESTS}::test_projection_dots_carry_full_f32_precision[3-sinkhorn-float32]",),
+    ),
+    Mutation(
+        "tpu_projection_weight_two_terms",
+        "the TPU pre kernel's bf16 projection drops the weight's third bf16 term (16 of its 24 bits)",
+        (Edit(TPU_PRE, "for t in (hi, mid, lo)]", "for t in (hi, mid, jnp.zeros_like(lo))]"),),
+        python=True,
+        # About 2^-17 of each product: under the f32 bound on most draws; the terms' sum shows it.
+        python_tests=(f"{TPU_TESTS}::test_stacked_projection_carries_the_weights_24_bits",),
     ),
     Mutation(
         "tpu_pre_apply_bf16_running_sum",
-        "the TPU pre_apply (pre, boundary, head, collapse) keeps its running sum in bf16 (x's dtype), not f32",
+        "the TPU pre_apply (pre, boundary, head, collapse) keeps its running sum in bf16, not f32",
         (
             Edit(
                 TPU_PRE,
-                "    layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)\n"
-                "    for k in range(1, n):\n"
-                "        layer_in += gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32)\n",
-                "    layer_in = (gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)).astype(x_ref.dtype)\n"
-                "    for k in range(1, n):\n"
-                "        layer_in = (layer_in + gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32))"
-                ".astype(x_ref.dtype)\n",
+                "    layer_in = gates[0] * streams[0]\n"
+                "    for k in range(1, len(streams)):\n"
+                "        layer_in += gates[k] * streams[k]\n",
+                "    layer_in = (gates[0] * streams[0]).astype(jnp.bfloat16)\n"
+                "    for k in range(1, len(streams)):\n"
+                "        layer_in = (layer_in + gates[k] * streams[k]).astype(jnp.bfloat16)\n",
             ),
         ),
         python=True,

@@ -19,7 +19,17 @@ from conftest import (
     random_numpy_params,
     round_by_one_unit,
 )
-from test_tpu_kernels import CUSTOM, INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _post_problem, _tolerance
+from test_tpu_kernels import (
+    CUSTOM,
+    INTERPRET,
+    _case_id,
+    _export,
+    _mosaic_modules,
+    _no_races,
+    _post_problem,
+    _tolerance,
+    assert_pre_forward_matmuls_f32_accurate,
+)
 from test_tpu_pre_backward import _oracle as _pre_backward_oracle
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
@@ -132,9 +142,8 @@ def test_boundary_forward_equals_post_then_pre_and_is_batch_invariant(seed):
 def test_every_tile_lowers_for_tpu(mix, dtype):
     """Every token tile the wrappers can choose passes the Pallas -> Mosaic lowering, forward and
     backward, at a D that pads and takes two feature chunks (Dp = 768) and a ragged T; every matmul
-    asks the MXU for fp32 contraction precision (the forward: the projection and the sum of
-    squares per stream; the backward: the pre backward's five per stream; both: the permutation
-    table's)."""
+    is f32-accurate on the MXU (the forward: assert_pre_forward_matmuls_f32_accurate; the backward:
+    the pre backward's five per stream and the permutation table's, at fp32 precision)."""
     n, d, t = 4, 700, 300
     config = mj.Config(n=n, mix=mix)
     x, layer_out, h_post, h_res, params = _problem(np.random.default_rng(0), config, d, t, dtype, dtype)
@@ -147,14 +156,12 @@ def test_every_tile_lowers_for_tpu(mix, dtype):
         def backward(*a, tile=tile):
             return mhc.tpu.boundary_backward(config, *a, tile=tile)
 
-        for function, arguments, per_stream in (
-            (forward, (x, layer_out, h_post, h_res, params), 2),
-            (backward, (*cotangents, x, layer_out, h_post, h_res, params), 5),
-        ):
-            (kernel,) = _mosaic_modules(_export(function, *arguments))
-            matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
-            assert len(matmuls) == per_stream * n + (mix == "permutations"), (tile, matmuls)
-            assert all("precision = #tpu.contract_precision<fp32>" in line for line in matmuls), (tile, matmuls)
+        (kernel,) = _mosaic_modules(_export(forward, x, layer_out, h_post, h_res, params))
+        assert_pre_forward_matmuls_f32_accurate(kernel, config, jnp.dtype(dtype), padded=768)
+        (kernel,) = _mosaic_modules(_export(backward, *cotangents, x, layer_out, h_post, h_res, params))
+        matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
+        assert len(matmuls) == 5 * n + (mix == "permutations"), (tile, matmuls)
+        assert all("precision = #tpu.contract_precision<fp32>" in line for line in matmuls), (tile, matmuls)
 
 
 def test_vmem_plan_and_bad_arguments():

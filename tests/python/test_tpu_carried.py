@@ -30,7 +30,16 @@ from conftest import (
     round_by_one_unit,
 )
 from mhc.tpu.testing import interpret_on_cpu
-from test_tpu_kernels import CUSTOM, INTERPRET, _case_id, _export, _mosaic_modules, _no_races, _tolerance
+from test_tpu_kernels import (
+    CUSTOM,
+    INTERPRET,
+    _case_id,
+    _export,
+    _mosaic_modules,
+    _no_races,
+    _tolerance,
+    assert_pre_forward_matmuls_f32_accurate,
+)
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
 pytestmark = pytest.mark.slow
@@ -213,15 +222,14 @@ def _v41_operands(config, n, d, t, dtype, present=True):
     }
 
 
-# Matmuls per stream (test_tpu_boundary's counts): the projection and the sum of squares; the pre
-# backward's five (the recomputed two, the sums over D (dcarried's here), the projection gradient,
-# dx's product with the weight); the collapse backward's sums over D. Plus the permutation table's.
+# Matmuls per stream of the backwards and the collapse (the forwards that run the pre body:
+# assert_pre_forward_matmuls_f32_accurate): the pre backward's five (the recomputed two, the sums
+# over D (dcarried's here), the projection gradient, dx's product with the weight); the collapse
+# backward's sums over D. Plus the permutation table's.
 MATMULS_PER_STREAM = {
-    "mhc_pre_forward_carried": 2,
     "mhc_pre_backward_carried": 5,
     "mhc_collapse_forward": 0,
     "mhc_collapse_backward": 1,
-    "mhc_boundary_forward_carried": 2,
     "mhc_boundary_backward_carried": 5,
 }
 
@@ -244,6 +252,9 @@ def test_every_v41_kernel_lowers_for_tpu(mix, dtype):
                 return mhc.tpu.KERNELS[target](config, *a)
 
             (kernel,) = _mosaic_modules(_export(function, *arguments))
+            if target in ("mhc_pre_forward_carried", "mhc_boundary_forward_carried"):
+                assert_pre_forward_matmuls_f32_accurate(kernel, config, jnp.dtype(dtype), padded=768)
+                continue
             matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
             per_stream = MATMULS_PER_STREAM[target] - (target == "mhc_pre_backward_carried" and not present)
             if target == "mhc_collapse_backward" and not present:

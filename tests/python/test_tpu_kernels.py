@@ -49,6 +49,9 @@ PRE_CASES = [
     (1, 130, 1, "sinkhorn", jnp.bfloat16, {}),
     (8, 1, 37, "sinkhorn", jnp.float32, CUSTOM),
     (3, 130, 0, "sinkhorn", jnp.float32, {}),
+    # bf16 at n = 4 (MaxText's configuration): the projection's (tile n, chunk) rows view of x, three
+    # 128-lane chunks (Dp = 384), a ragged last tile
+    (4, 300, 300, "permutations", jnp.bfloat16, {}),
 ]
 # n = 8 only in the pre forward (its Sinkhorn groups of 8 rows): the post kernels have no
 # n-dependent layout, only n unrolled streams (an n = 8 post case cost 14 s of CPU).
@@ -228,20 +231,72 @@ def test_post_forward_rounds_ties_to_even(n):
     np.testing.assert_array_equal(np.asarray(out, np.float64), want)
 
 
-@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
-def test_projection_dots_carry_full_f32_precision(mix):
-    """Every matmul of the pre kernel (projection, sum of squares, permutation table) asks the MXU
-    for fp32 contraction precision: the interpreter computes in f32 whatever was asked."""
-    config = mj.Config(n=3, mix=mix)
+PRECISION_CASES = [(3, "sinkhorn", "float32"), (3, "permutations", "bfloat16"), (4, "permutations", "bfloat16")]
+
+
+@pytest.mark.parametrize(("n", "mix", "dtype"), PRECISION_CASES)
+def test_projection_dots_carry_full_f32_precision(n, mix, dtype):
+    """Every matmul of the pre kernel (projection, selection, sum of squares, permutation table) is
+    f32-accurate on the MXU: f32 operands ask for fp32 contraction precision, and bf16 x meets the
+    weight's three bf16 terms (exact products, f32 accumulation): one product per stream (n = 3)
+    or one for every stream (n = 4, the (tile n, chunk) rows view), its contraction three times the
+    chunk of x. The interpreter computes in f32 whatever was asked: only the lowered Mosaic module
+    shows it."""
+    config = mj.Config(n=n, mix=mix)
     params = random_numpy_params(np.random.default_rng(0), config, 130)
-    x = jnp.zeros((37, 3, 130), jnp.bfloat16)
+    x = jnp.zeros((37, n, 130), dtype)
     kernels = _mosaic_modules(_export(lambda x, p: mhc.tpu.pre_forward(config, x, p), x, params))
     assert len(kernels) == 1
-    matmuls = [line for line in kernels[0].splitlines() if "tpu.matmul" in line]
-    # Per stream the projection and the sum of squares; the permutation table's product.
-    assert len(matmuls) == 2 * config.n + (mix == "permutations"), matmuls
+    assert_pre_forward_matmuls_f32_accurate(kernels[0], config, jnp.dtype(dtype), padded=256)
+
+
+@pytest.mark.parametrize(("n", "d", "mix"), [(4, 300, "permutations"), (3, 130, "sinkhorn")])
+def test_stacked_projection_carries_the_weights_24_bits(seed, n, d, mix):
+    """The bf16 terms of the pre forward's weight (hi + mid + lo, stacked per chunk of the
+    projection's loop) add up to the folded f32 weight norm_weight * phi within 2^-24 of each
+    value (spec: Precision policy: a third term left out leaves about 2^-17), the padded features
+    zero; the selection under them puts each column of each stream on its coefficient row."""
+    config = mj.Config(n=n, mix=mix)
+    params = random_numpy_params(np.random.default_rng(seed), config, d)
+    padded, width = mhc.tpu._layout.padded_features(d), config.projection_width
+    chunk = mhc.tpu._pre._projection_chunk(padded)
+    stacked = np.asarray(mhc.tpu._pre.stacked_projection(config, params, d, padded).astype(jnp.float32), np.float64)
+    terms = stacked[: 3 * padded].reshape(padded // chunk, 3, chunk, n * width).sum(axis=1).reshape(padded, n * width)
+    # the f32 product the wrapper folds (one rounding, as numpy's f32 multiply)
+    folded = np.asarray(params.norm_weight, np.float32)[:, None] * np.asarray(params.phi, np.float32)
+    folded = np.asarray(folded, np.float64).reshape(n, d, width)
+    want = np.zeros((padded, n, width))
+    want[:d] = np.transpose(folded, (1, 0, 2))
+    want = want.reshape(padded, n * width)
+    assert np.all(np.abs(terms - want) <= 2.0**-24 * np.abs(want)), np.max(np.abs(terms - want) / np.abs(want + 1e-300))
+    selection = stacked[3 * padded :]
+    rows = mhc.tpu._pre._destinations(config)
+    for k in range(n):
+        np.testing.assert_array_equal(selection[:, k * width : (k + 1) * width], np.eye(selection.shape[0])[:, rows])
+
+
+def assert_pre_forward_matmuls_f32_accurate(kernel: str, config, dtype, padded: int):
+    """The matmuls of a kernel that runs the pre forward's body (pre, boundary, V4.1's carried
+    forms): f32 operands at fp32 contraction precision (the f32 projection per stream, the
+    selection, the sum of squares, the permutation table); bf16 x against the weight's three bf16
+    terms, one product per stream (at n = 4 one for every stream, the (tile n, chunk) rows view, in
+    a loop unrolled by 2), its contraction three times the chunk of x (Dp = `padded`)."""
+    matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
+    contractions = []
     for line in matmuls:
-        assert "precision = #tpu.contract_precision<fp32>" in line, line
+        (_, lhs_k, lhs), (rhs_k, _, rhs) = re.findall(r"vector<(\d+)x(\d+)x(\w+)>", line.rsplit(" : ", 1)[1])[:2]
+        if (lhs, rhs) == ("bf16", "bf16"):
+            contractions.append((int(lhs_k), int(rhs_k)))
+        else:
+            assert "precision = #tpu.contract_precision<fp32>" in line, line
+    n = config.n
+    chunk = 256 if padded % 256 == 0 else 128
+    bf16 = dtype == jnp.bfloat16
+    assert set(contractions) == ({(3 * chunk, 3 * chunk)} if bf16 else set()), matmuls
+    if bf16 and n != 4:  # (n = 4: the rows view's loop is unrolled by 2, one or more copies of its product)
+        assert len(contractions) == n, matmuls
+    f32_products = (0 if bf16 else n) + 2 + (config.mix == "permutations")
+    assert len(matmuls) - len(contractions) == f32_products, matmuls
 
 
 @pytest.mark.parametrize("tile", mhc.tpu.TOKEN_TILES)

@@ -49,11 +49,20 @@ def _weight(config: Config, head: HeadParams, d: int):
     return weight, scale, bias
 
 
+def _stacked_weight(config: Config, head: HeadParams, d: int):
+    """The head's fn as the pre forward's streamed projection operand (_pre.stacked_weight_terms):
+    column j of stream k is fn[j, k D:(k + 1) D], on row j of the G gate rows."""
+    n, padded = config.n, _layout.padded_features(d)
+    folded = jnp.transpose(jnp.asarray(head.fn, _F32).reshape(n, n, d), (1, 2, 0))  # [k, d, j]
+    return _pre.stacked_weight_terms(folded, padded, np.arange(n), _layout.group_rows(n))
+
+
 def _forward_kernel(x_ref, weight_ref, scale_ref, bias_ref, out_ref, gates_ref, *, config: Config, features: int):
-    logits, r = _pre.projection(x_ref, weight_ref, n=config.n, features=features, rms_eps=config.rms_eps)
+    """The pre forward's streamed projection and pre-apply (_pre) with the head's weight."""
+    logits, r = _pre.streamed_projection(x_ref, weight_ref, n=config.n, features=features, rms_eps=config.rms_eps)
     gates = _pre.sigmoid(scale_ref[...] * (r * logits) + bias_ref[...]) + config.pre_eps
     gates_ref[...] = gates
-    out_ref[...] = _pre.pre_apply(gates, x_ref, config.n).astype(out_ref.dtype)
+    _pre.streamed_pre_apply(out_ref, gates, x_ref, config.n)
 
 
 def forward_tile(config: Config, d: int, dtype, capacity: int | None = None) -> int:
@@ -64,7 +73,7 @@ def forward_tile(config: Config, d: int, dtype, capacity: int | None = None) -> 
     g = _layout.group_rows(config.n)
     per_token = 2 * _layout.stream_sublanes(config.n, size) * padded * size + 2 * padded * size
     per_token += 3 * padded * 4 + 3 * g * 4
-    fixed = g * config.n * padded * 4
+    fixed = _pre.stacked_bytes(config.n, config.n, padded, g)
     budget = _layout.vmem_budget(capacity or _layout.chip_vmem())
     return _layout.choose_token_tile("head_forward", per_token, fixed, budget)
 
@@ -93,7 +102,8 @@ def head_forward(config: Config, x, head: HeadParams, *, tile: int | None = None
         return jnp.zeros((0, d), x.dtype), jnp.zeros((0, n), _F32)
     tile = tile or forward_tile(config, d, x.dtype)
     padded, g = _layout.padded_features(d), _layout.group_rows(n)
-    weight, scale, bias = _weight(config, head, d)
+    _, scale, bias = _weight(config, head, d)
+    weight = _stacked_weight(config, head, d)
     whole = lambda i: (0, 0)  # noqa: E731
     once = pl.Buffered(buffer_count=1)
     size = x.dtype.itemsize

@@ -1,9 +1,12 @@
 """The pre forward as one Pallas TPU kernel per token tile (unverified on TPU hardware: checked in
 TPU interpret mode, by lowering to Mosaic and by compiling for v5e/v6e, never run on a chip).
 
-Per tile, x is read from HBM once: the projection and the sum of squares stream over it one
-stream at a time (the MXU, full f32 precision), the coefficients follow with the tokens in the
-lanes (spec: Forward steps 1-5), and the pre-apply re-reads the tile from VMEM.
+Per tile, x is read from HBM once: the projection (the MXU, x streamed against the weight's
+three bf16 terms: full f32 accuracy) and the sum of squares (the VPU) stream over it chunk by
+chunk (streamed_projection), the coefficients follow with the tokens in the lanes (spec: Forward
+steps 1-5), and the pre-apply re-reads the tile from VMEM window by window (streamed_pre_apply).
+No (tile, Dp) f32 value is live (docs/tpu.md, "The pre forward streamed through the features").
+The backwards recompute the coefficients with the per-stream `projection`.
 
 pre_forward_carried is DeepSeek-V4.1's (spec: Single-pass schedule; unverified on TPU hardware as
 the rest): the same kernel, whose pre-apply reads the carried mix (a (G, tile) block per token
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from mhc._config import Config, Params
 from mhc.tpu import _layout
@@ -102,6 +106,123 @@ def projection(x_ref, weight_ref, *, n: int, features: int, rms_eps: float):
     return logits, jax.lax.rsqrt(squares[0:1] / (n * features) + rms_eps)
 
 
+def _projection_chunk(padded: int) -> int:
+    """Lanes of x the streamed projection takes per loop step: 256 (a full contraction depth of
+    v6e's 256 x 256 MXU, two of v5e's 128) where Dp allows, else 128."""
+    return 2 * _layout.LANES if padded % (2 * _layout.LANES) == 0 else _layout.LANES
+
+
+def _rows_view(n: int, dtype) -> bool:
+    """Whether the projection reads x's block [tile, n, chunk] as one (tile n, chunk) matrix (a row
+    per token and stream): for bf16 at n = 4 the block's VMEM tiles hold exactly that matrix, so
+    the view costs no relayout, and one MXU product per chunk covers every stream. Otherwise (f32,
+    other n) each stream x[:, k, :] is its own product."""
+    return jnp.dtype(dtype) == jnp.bfloat16 and n == 4
+
+
+# Tokens per MXU product of the rows view: their products (4 rows per token, 128 lanes, f32: 32
+# vregs) are what the contraction's partial sums pop into (32 and 128 were tried: no better on
+# v5e, worse on v6e; docs/tpu.md).
+_PROJECTION_TOKENS = 64
+# The bf16 terms of the projection weight (hi, mid, lo: together its 24 bits), stacked along the
+# contraction of each chunk (stacked_projection).
+_WEIGHT_TERMS = 3
+
+
+def _exact_dot(a, terms):
+    """a (rows, K) times the weight chunk (K, cols) -> (rows, cols) f32 at full f32 accuracy (spec:
+    Precision policy), from `terms` (3 K, cols) bf16: the weight's hi, mid and lo terms stacked.
+    bf16 a: one MXU product of [a a a] with the stacked terms (exact products, f32 accumulation
+    over the 3 K), a third of the passes of precision=HIGHEST, which also splits a. f32 a: the
+    weight rebuilt in f32 (hi + (mid + lo)), times a at HIGHEST."""
+    if a.dtype == jnp.bfloat16:
+        return jnp.dot(jnp.concatenate([a] * _WEIGHT_TERMS, axis=1), terms, preferred_element_type=_F32)
+    k = a.shape[1]
+    hi, mid, lo = (terms[i * k : (i + 1) * k].astype(_F32) for i in range(_WEIGHT_TERMS))
+    return jnp.dot(a, hi + (mid + lo), precision=_HIGHEST, preferred_element_type=_F32)
+
+
+def _lane_folded_squares(values):
+    """(rows, k 128) -> (rows, 128) f32: the squares summed over the 128-lane groups (the VPU; the
+    sum over the last 128 lanes waits for the end of the stream)."""
+    squares = jnp.square(values.astype(_F32))
+    groups = [squares[:, i * _layout.LANES : (i + 1) * _layout.LANES] for i in range(values.shape[1] // _layout.LANES)]
+    return functools.reduce(jnp.add, groups)
+
+
+def streamed_projection(x_ref, projection_ref, *, n: int, features: int, rms_eps: float):
+    """(P (rows, tile), r (1, tile)) for the token tile x_ref [tile, n, Dp] (spec: Forward steps
+    1-2) from the stacked projection operand (stacked_weight_terms: the weight [Dp, n N], the
+    columns of stream k at k N, as three bf16 terms per chunk, then the selection). A loop over
+    chunks of Dp (and, in the rows view, groups of _PROJECTION_TOKENS tokens) streams x through
+    the MXU once (x the streamed operand, the weight chunk stationary) and the VPU's sum of
+    squares, both accumulated in VMEM, so no (tile, Dp) f32 value is live; after it the
+    selection, one f32-exact product with the tokens in the lanes, keeps stream k's block of the
+    products, sums over the streams and puts each projection column on its group-aligned row. The
+    f32 sums run over the chunks in order, then over the 128 lanes and the streams."""
+    tile, padded = x_ref.shape[0], x_ref.shape[2]
+    width = projection_ref.shape[1]
+    columns = width // n
+    chunk = _projection_chunk(padded)
+    rows_view = _rows_view(n, x_ref.dtype)
+    group = min(_PROJECTION_TOKENS, tile)
+    groups = tile // group
+    product_shape = (tile * n, width) if rows_view else (n, tile, width)
+    square_shape = (tile * n, _layout.LANES) if rows_view else (tile, _layout.LANES)
+
+    def accumulate(products_ref, squares_ref):
+        products_ref[...] = jnp.zeros(product_shape, _F32)
+        squares_ref[...] = jnp.zeros(square_shape, _F32)
+
+        def step(c, carry):
+            lanes = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+            terms = _WEIGHT_TERMS * chunk
+            weight = projection_ref[pl.ds(pl.multiple_of(c * terms, terms), terms), :]
+            for k in range(n):
+                stream = x_ref[:, k, lanes]
+                products_ref[k] += _exact_dot(stream, weight)
+                squares_ref[...] += _lane_folded_squares(stream)
+            return carry
+
+        def rows_step(i, carry):
+            # one loop over (chunk, token group) pairs, not two nested (libtpu's schedule of the
+            # nested pair hides the outer trip count from the estimate)
+            # (shifts and masks: Mosaic lowers integer division only for a known chip; the tiles and
+            # the group are powers of 2)
+            c = i >> (groups.bit_length() - 1)
+            first = pl.multiple_of((i & (groups - 1)) * group, group)
+            lanes = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+            terms = _WEIGHT_TERMS * chunk
+            weight = projection_ref[pl.ds(pl.multiple_of(c * terms, terms), terms), :]
+            block = x_ref[pl.ds(first, group), :, lanes].reshape(group * n, chunk)
+            rows = pl.ds(pl.multiple_of(first * n, group * n), group * n)
+            products_ref[rows, :] += _exact_dot(block, weight)
+            squares_ref[rows, :] += _lane_folded_squares(block)
+            return carry
+
+        if rows_view:
+            jax.lax.fori_loop(0, padded // chunk * groups, rows_step, 0, unroll=2)
+        else:
+            jax.lax.fori_loop(0, padded // chunk, step, 0)
+        if rows_view:
+            parts = [products_ref[pl.ds(k, tile, stride=n), :] for k in range(n)]
+            squares = functools.reduce(jnp.add, [squares_ref[pl.ds(k, tile, stride=n), :] for k in range(n)])
+        else:
+            parts = [products_ref[k] for k in range(n)]
+            squares = squares_ref[...]
+        lane = jax.lax.broadcasted_iota(jnp.int32, (tile, width), 1)
+        own = parts[0]
+        for k in range(1, n):
+            own = jnp.where(lane >= k * columns, parts[k], own)
+        selection = projection_ref[_WEIGHT_TERMS * padded :, :].astype(_F32)
+        logits = jax.lax.dot_general(selection, own, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
+        ones = jnp.ones((_layout.SUBLANES, _layout.LANES), _F32)
+        sums = jax.lax.dot_general(ones, squares, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
+        return logits, jax.lax.rsqrt(sums[0:1] / (n * features) + rms_eps)
+
+    return pl.run_scoped(accumulate, pltpu.VMEM(product_shape, _F32), pltpu.VMEM(square_shape, _F32))
+
+
 def sigmoid(value):
     return 1.0 / (1.0 + jnp.exp(-value))
 
@@ -121,6 +242,20 @@ def stream_dots(x_ref, other, n: int):
     return result
 
 
+def _mix_streams(gates, streams):
+    """sum_k gates[k] streams[k] in f32, k in order (the gates broadcast over the lanes)."""
+    layer_in = gates[0] * streams[0]
+    for k in range(1, len(streams)):
+        layer_in += gates[k] * streams[k]
+    return layer_in
+
+
+def _mix_window(gates, x_ref, n: int, tokens, lanes):
+    """sum_k gates[:, k] x_k over the tokens and lanes of x_ref [tile, n, Dp], in f32, k in order."""
+    columns = [gates[:, k : k + 1] for k in range(n)]
+    return _mix_streams(columns, [x_ref[tokens, k, lanes].astype(_F32) for k in range(n)])
+
+
 def pre_apply(h_pre, x_ref, n: int):
     """layer_in (tile, Dp) f32 = sum_k H_pre[k] x_k (spec: Forward step 6) from the pre-apply
     weights (G, tile) (the gates, or V4.1's carried mix), brought back to the tokens-in-sublanes
@@ -128,11 +263,72 @@ def pre_apply(h_pre, x_ref, n: int):
     itself."""
     if h_pre is None:
         return x_ref[:, 0, :].astype(_F32)
-    gates = h_pre.T
-    layer_in = gates[:, 0:1] * x_ref[:, 0, :].astype(_F32)
-    for k in range(1, n):
-        layer_in += gates[:, k : k + 1] * x_ref[:, k, :].astype(_F32)
-    return layer_in
+    return _mix_window(h_pre.T, x_ref, n, slice(None), slice(None))
+
+
+# streamed_pre_apply's window: tokens (sublanes) by lanes, a few vregs per stream.
+_APPLY_TOKENS = 32
+_APPLY_LANES = 256
+# The bf16 n = 4 window: 16 tokens (one packed bf16 vreg of layer_in) by 128 lanes.
+_PAIRS_TOKENS = 16
+_HIGH_HALF = 0xFFFF0000
+
+
+def _pairs_streams(x_ref, pairs_ref, tokens, lanes, rows: int):
+    """The 4 streams (rows, 128) f32, tokens in the sublanes, of a bf16 x block at n = 4 without a
+    relayout: `rows` tokens by 128 lanes of the block are, as 32-bit words, a dense (2 rows, 128)
+    value (_post's _bf16_pairs_forward_kernel): word row 2 t holds streams 0 (low half) and 1
+    (high half) of token t, row 2 t + 1 streams 2 and 3. Stored once to pairs_ref, they come back
+    by two sublane-strided loads with the tokens in order; a shift or a mask makes each half an f32
+    (exact)."""
+    pairs_ref[...] = pltpu.bitcast(x_ref[tokens, :, lanes].reshape(4 * rows, _layout.LANES), jnp.uint32)
+    streams = []
+    for first in (0, 1):
+        words = pairs_ref[pl.ds(first, rows, stride=2), :]
+        streams += [pltpu.bitcast(words << 16, _F32), pltpu.bitcast(words & jnp.uint32(_HIGH_HALF), _F32)]
+    return streams
+
+
+def streamed_pre_apply(layer_in_ref, h_pre, x_ref, n: int):
+    """layer_in_ref [tile, Dp] = pre_apply(h_pre, x_ref, n) in x's dtype, the same products and
+    sums (the same bits), window by window (a loop over the tokens, the lanes unrolled) so that no
+    (tile, Dp) f32 value is live; the gates, transposed once, wait in VMEM. bf16 at n = 4 reads
+    the streams by _pairs_streams (no relayout per stream)."""
+    tile, padded = x_ref.shape[0], x_ref.shape[2]
+    pairs = _rows_view(n, x_ref.dtype)
+    rows = min(_PAIRS_TOKENS if pairs else _APPLY_TOKENS, tile)
+    width = _APPLY_LANES if padded % _APPLY_LANES == 0 and not pairs else _layout.LANES
+
+    def windows(gates_ref, pairs_ref):
+        def window(i, carry):
+            tokens = pl.ds(pl.multiple_of(i * rows, rows), rows)
+            gates = None if gates_ref is None else gates_ref[tokens, :]
+            if pairs and gates is not None:
+                columns = [jnp.broadcast_to(gates[:, k : k + 1], (rows, width)) for k in range(n)]
+            for c in range(padded // width):
+                lanes = pl.ds(c * width, width)
+                if gates is None:
+                    value = x_ref[tokens, 0, lanes]
+                elif pairs:
+                    value = _mix_streams(columns, _pairs_streams(x_ref, pairs_ref, tokens, lanes, rows))
+                else:
+                    value = _mix_window(gates, x_ref, n, tokens, lanes)
+                layer_in_ref[tokens, lanes] = value.astype(layer_in_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, tile // rows, window, 0)
+
+    if h_pre is None:
+        windows(None, None)
+        return
+
+    def with_gates(gates_ref, pairs_ref):
+        gates_ref[...] = h_pre.T
+        windows(gates_ref, pairs_ref)
+
+    pl.run_scoped(
+        with_gates, pltpu.VMEM((tile, h_pre.shape[0]), _F32), pltpu.VMEM((2 * rows, _layout.LANES), jnp.uint32)
+    )
 
 
 # pre_body's and the backward's `carried` for DeepSeek-V4's pre-apply, which mixes x with the
@@ -165,7 +361,7 @@ def pre_body(
     n, g = config.n, _layout.group_rows(config.n)
     tile = x_ref.shape[0]
     # Steps 1-2.
-    logits, r = projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
+    logits, r = streamed_projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
     # Steps 2-3: Z = r P, a = alpha Z + bias (per row: its group's alpha).
     a = scale_ref[...] * (r * logits) + bias_ref[...]
     # Step 4.
@@ -184,8 +380,7 @@ def pre_body(
     coefficients_ref[...] = jnp.concatenate([h_pre, h_post, h_res], axis=0)
     # Step 6, from the tile in VMEM.
     mix = h_pre if carried_ref is OWN_GATES else (None if carried_ref is None else carried_ref[...])
-    layer_in = pre_apply(mix, x_ref, n)
-    layer_in_ref[...] = layer_in.astype(layer_in_ref.dtype)
+    streamed_pre_apply(layer_in_ref, mix, x_ref, n)
 
 
 def _kernel(*refs, config: Config, features: int, carried: str):
@@ -233,6 +428,52 @@ def _transposed_weight(config: Config, params: Params, features: int, padded: in
     return weight, scale, bias
 
 
+def _destinations(config: Config) -> np.ndarray:
+    """The group-aligned row of each projection column: pre k -> k, post k -> G + k, residual
+    (i, j) -> (2 + i) G + j (Sinkhorn) or p -> 2 G + p (permutations)."""
+    n, g = config.n, _layout.group_rows(config.n)
+    if config.mix == "sinkhorn":
+        residual = [(2 + i) * g + j for i in range(n) for j in range(n)]
+    else:
+        residual = [2 * g + p for p in range(config.residual_logits)]
+    return np.asarray(list(range(n)) + [g + k for k in range(n)] + residual)
+
+
+def stacked_projection(config: Config, params: Params, features: int, padded: int):
+    """streamed_projection's operand for the pre forward (stacked_weight_terms): the folded weight
+    norm_weight * phi, its columns on their coefficient rows (_destinations)."""
+    n, width = config.n, config.projection_width
+    folded = (params.norm_weight[:, None] * params.phi).reshape(n, features, width)
+    return stacked_weight_terms(folded, padded, _destinations(config), _layout.logit_rows(n, config.mix))
+
+
+def stacked_weight_terms(folded, padded: int, destinations, rows: int):
+    """streamed_projection's operand [3 Dp + rows, n N] bf16 from a weight folded [n, D, N] (stream
+    k's feature d, column c). The weight as [Dp, n N] (stream k's N columns at lanes k N, the
+    padded features zero) split into three bf16 terms (hi, mid, lo: hi + mid + lo carries its 24
+    bits, spec: Precision policy), stacked per chunk of the projection's loop: rows 3 c C ..
+    3 (c + 1) C hold chunk c's hi, mid, lo (C = _projection_chunk). Then the selection (rows,
+    n N): 1 at (destinations[c], k N + c) for every k."""
+    n, features, width = folded.shape
+    chunk = _projection_chunk(padded)
+    folded = jnp.pad(jnp.asarray(folded, _F32), ((0, 0), (0, padded - features), (0, 0)))
+    weight = jnp.transpose(folded, (1, 0, 2)).reshape(padded, n * width)
+    hi = weight.astype(jnp.bfloat16)
+    rest = weight - hi.astype(_F32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(_F32)).astype(jnp.bfloat16)
+    terms = jnp.stack([t.reshape(padded // chunk, chunk, n * width) for t in (hi, mid, lo)], axis=1)
+    selection = np.zeros((rows, n * width), np.float32)
+    for k in range(n):
+        selection[np.asarray(destinations), k * width + np.arange(width)] = 1.0
+    return jnp.concatenate([terms.reshape(3 * padded, n * width), jnp.asarray(selection, jnp.bfloat16)], axis=0)
+
+
+def stacked_bytes(n: int, width: int, padded: int, rows: int) -> int:
+    """VMEM bytes of stacked_weight_terms' operand (bf16, lanes padded to 128)."""
+    return (3 * padded + rows) * _layout.round_up(n * width, _layout.LANES) * 2
+
+
 def token_tile(config: Config, d: int, dtype, capacity: int | None = None, *, carried: bool = False) -> int:
     """The token tile pre_forward chooses for x [T, n, d] of dtype on a chip with `capacity` bytes
     of VMEM (default: the chip traced for, _layout.chip_vmem) from the VMEM plan; `carried`: with
@@ -256,11 +497,13 @@ def coefficient_bytes_per_token(config: Config, padded: int) -> int:
 
 
 def parameter_bytes(config: Config, padded: int) -> int:
-    """VMEM of the projection weight, the alpha/bias columns, the permutation table and the
-    sum-of-squares ones, each single-buffered (their block never changes)."""
+    """VMEM of the projection weight (the transposed (rows, n Dp) f32 or the stacked [3 Dp + rows,
+    n N] bf16, whichever is larger), the alpha/bias columns, the permutation table and the sum-of-squares
+    ones, each single-buffered (their block never changes)."""
     n, rows = config.n, _layout.logit_rows(config.n, config.mix)
     table = n * _layout.group_rows(n) * rows if config.mix == "permutations" else 0
-    return (rows * n * padded + 2 * rows * _layout.LANES + table + _layout.SUBLANES * padded) * 4
+    weight = max(rows * n * padded, stacked_bytes(n, config.projection_width, padded, rows) // 4)
+    return (weight + 2 * rows * _layout.LANES + table + _layout.SUBLANES * padded) * 4
 
 
 def _budget(capacity: int | None) -> int:
@@ -288,11 +531,12 @@ def check_tile(operation: str, tile):
 
 
 def parameter_operands(config: Config, params: Params, d: int):
-    """(operands, block specs) of the projection for a grid over token tiles: the transposed
-    weight, the alpha and bias columns and (permutations) the table, each one whole block fetched
-    once (single-buffered: its index never changes)."""
-    weight, scale, bias = _transposed_weight(config, params, d, _layout.padded_features(d))
-    operands = [weight, scale, bias]
+    """(operands, block specs) of the projection for a grid over token tiles: the stacked
+    projection operand (stacked_projection), the alpha and bias columns and (permutations) the
+    table, each one whole block fetched once (single-buffered: its index never changes)."""
+    padded = _layout.padded_features(d)
+    _, scale, bias = _transposed_weight(config, params, d, padded)
+    operands = [stacked_projection(config, params, d, padded), scale, bias]
     if config.mix == "permutations":
         operands.append(jnp.asarray(_permutation_table(config.n)))
     specs = [pl.BlockSpec(a.shape, lambda *_: (0, 0), pipeline_mode=pl.Buffered(buffer_count=1)) for a in operands]
