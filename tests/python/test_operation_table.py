@@ -95,6 +95,28 @@ def test_run_gives_the_bits_of_the_ffi_call(name, seed):
         np.testing.assert_array_equal(g, np.asarray(w), err_msg=f"{name}: {output}")
 
 
+@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
+def test_partials_are_as_wide_as_the_projection_of_either_mix(mix, seed):
+    """N in the rules is phi's width: 2n + n^2 for the Sinkhorn mix, 2n + n! for the permutations
+    (24 + 8 at n = 4, not 16 + 8): the partials the split forward writes are [T, N + 1]."""
+    config = Config(n=N_STREAMS, mix=mix)
+    width = 2 * N_STREAMS + (N_STREAMS * N_STREAMS if mix == "sinkhorn" else 24)
+    assert width == config.projection_width
+    rng = np.random.default_rng(seed)
+    d = FEATURES
+    inputs = [
+        rng.standard_normal((TOKENS, N_STREAMS, d)).astype(np.float32),
+        rng.standard_normal(N_STREAMS * d).astype(np.float32),
+        (rng.standard_normal((N_STREAMS * d, width)) / np.sqrt(N_STREAMS * d)).astype(np.float32),
+    ]
+    operation = OPERATIONS["pre_forward_partials"]
+    (spec,) = output_specs(operation, inputs, np.float32)
+    assert spec[0] == (TOKENS, width + 1)
+    partials = np.full(spec[0], np.nan, np.float32)
+    _mhc_cpu.run("pre_forward_partials", inputs, [partials], **_config_args(config))
+    assert np.all(np.isfinite(partials))
+
+
 @pytest.mark.parametrize("name", ["pre_forward_carried", "collapse_backward"])
 def test_run_takes_the_one_hot_carried_mix_as_t_by_0(name, seed):
     operation = OPERATIONS[name]
