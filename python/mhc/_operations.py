@@ -17,10 +17,14 @@ from mhc import _mhc_cpu
 OPERATIONS: dict[str, dict] = {operation["name"]: operation for operation in _mhc_cpu.operations()}
 
 
-def _dims(x) -> dict[str, int]:
-    """The shape symbols of the rules: T, n, D from x [T, n, D], N the projection's width."""
-    t, n, d = (int(size) for size in x.shape)
-    return {"T": t, "n": n, "D": d, "N": n * n + 2 * n}
+def _dims(by_name: dict) -> dict[str, int]:
+    """The shape symbols of the rules: T, n, D from x [T, n, D]; N, the projection's width (2n + n^2
+    with Sinkhorn, 2n + n! with permutations), from phi [M, N] where the operation takes phi."""
+    t, n, d = (int(size) for size in by_name["x"].shape)
+    dims = {"T": t, "n": n, "D": d}
+    if "phi" in by_name:
+        dims["N"] = int(by_name["phi"].shape[-1])
+    return dims
 
 
 def _size(term: str, dims: dict[str, int]) -> int:
@@ -36,7 +40,7 @@ def output_specs(operation: dict, inputs: Sequence, float32) -> list[tuple[tuple
     if len(inputs) != len(names):
         raise ValueError(f"mhc::{operation['name']}: inputs: expected {len(names)} arrays, got {len(inputs)}")
     by_name = dict(zip(names, inputs, strict=True))
-    dims = _dims(by_name["x"])
+    dims = _dims(by_name)
     specs = []
     for shape_rule, dtype_rule in zip(operation["output_shapes"], operation["output_dtypes"], strict=True):
         if shape_rule.startswith("shape of "):
