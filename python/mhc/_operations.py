@@ -18,15 +18,12 @@ OPERATIONS: dict[str, dict] = {operation["name"]: operation for operation in _mh
 
 
 def _dims(by_name: dict) -> dict[str, int]:
-    """The shape symbols of the rules: T, n, D from x [T, n, D], and N, the projection's width,
-    from phi [M, N] where the operation takes phi (2n + n^2 for the Sinkhorn mix, 2n + n! for the
-    permutations: only phi's shape knows which)."""
+    """The shape symbols of the rules: T, n, D from x [T, n, D]; N, the projection's width (2n + n^2
+    with Sinkhorn, 2n + n! with permutations), from phi [M, N] where the operation takes phi."""
     t, n, d = (int(size) for size in by_name["x"].shape)
     dims = {"T": t, "n": n, "D": d}
     if "phi" in by_name:
-        # A phi of the wrong rank gets N = 0 here and the operation's own check names it.
-        phi_shape = by_name["phi"].shape
-        dims["N"] = int(phi_shape[1]) if len(phi_shape) == 2 else 0
+        dims["N"] = int(by_name["phi"].shape[-1])
     return dims
 
 

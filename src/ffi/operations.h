@@ -13,8 +13,9 @@
 // - platforms: cpu; cpu_cuda; or cpu_cuda_scratch, whose CUDA kernel takes a workspace of
 //   mhc::cuda::<name>_workspace_bytes(config, T) bytes from XLA's scratch allocator.
 // - each output: {name, shape, dtype}. shape is "[...]" over T = x.shape[0], n = x.shape[1],
-//   D = x.shape[2] (this device's slice), N = phi.shape[1] (the projection's width: 2n + n^2
-//   or 2n + n!, by the mix), or "shape of <input>"; dtype is "f32" or "dtype of <input>".
+//   D = x.shape[2] (this device's slice), N = phi.shape[1] (the projection's width, 2n + n^2
+//   or 2n + n!: only in the rules of operations that take phi), or "shape of <input>"; dtype is
+//   "f32" or "dtype of <input>".
 #pragma once
 
 #include <cstddef>

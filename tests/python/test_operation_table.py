@@ -34,10 +34,10 @@ def _config_args(config: Config, slices: int = 1) -> dict:
     return {name: value.item() for name, value in _attributes(config, slices).items()}
 
 
-def _input(name: str, rng: np.random.Generator, dtype, carried_width: int = N_STREAMS) -> np.ndarray:
+def _input(name: str, rng: np.random.Generator, dtype, carried_width: int, config: Config) -> np.ndarray:
     """A random input named as the declarations name it, shaped for [T, n, D] = [5, 4, 24]."""
     t, n, d = TOKENS, N_STREAMS, FEATURES
-    width = n * n + 2 * n
+    width = config.projection_width
     base = name.removeprefix("next_")
     shapes = {
         "x": (t, n, d), "g": (t, n, d), "dx_partial": (t, n, d),
@@ -54,13 +54,13 @@ def _input(name: str, rng: np.random.Generator, dtype, carried_width: int = N_ST
     return values.astype(dtype if activation else np.float32)
 
 
-def _inputs(operation: dict, rng, dtype=np.float32, carried_width: int = N_STREAMS) -> list:
-    return [_input(name, rng, dtype, carried_width) for name in operation["inputs"]]
+def _inputs(operation: dict, rng, dtype=np.float32, carried_width: int = N_STREAMS, config: Config = CONFIG) -> list:
+    return [_input(name, rng, dtype, carried_width, config) for name in operation["inputs"]]
 
 
-def _run(operation: dict, inputs: list) -> list:
+def _run(operation: dict, inputs: list, config: Config = CONFIG) -> list:
     outputs = [np.full(shape, np.nan, dtype) for shape, dtype in output_specs(operation, inputs, np.float32)]
-    _mhc_cpu.run(operation["name"], inputs, outputs, **_config_args(CONFIG))
+    _mhc_cpu.run(operation["name"], inputs, outputs, **_config_args(config))
     return outputs
 
 
@@ -82,13 +82,14 @@ def test_operations_match_the_registrations_one_to_one():
         assert cuda == set(_ffi.CUDA_TARGETS)
 
 
+@pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
 @pytest.mark.parametrize("name", sorted(OPERATIONS))
-def test_run_gives_the_bits_of_the_ffi_call(name, seed):
-    operation = OPERATIONS[name]
-    inputs = _inputs(operation, np.random.default_rng(seed))
-    got = _run(operation, inputs)
+def test_run_gives_the_bits_of_the_ffi_call(name, mix, seed):
+    operation, config = OPERATIONS[name], Config(n=N_STREAMS, mix=mix)
+    inputs = _inputs(operation, np.random.default_rng(seed), config=config)
+    got = _run(operation, inputs, config)
     types = tuple(jax.ShapeDtypeStruct(s, d) for s, d in output_specs(operation, inputs, jnp.float32))
-    want = _ffi_call(*inputs, target=operation["target"], config=CONFIG, result_types=types, slices=1)
+    want = _ffi_call(*inputs, target=operation["target"], config=config, result_types=types, slices=1)
     assert len(got) == len(want) == len(operation["outputs"])
     for output, g, w in zip(operation["outputs"], got, want, strict=True):
         assert np.all(np.isfinite(g)), f"{name}: {output} is not finite (or not written)"
