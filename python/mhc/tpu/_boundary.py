@@ -376,12 +376,10 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (
-            jnp.zeros(x.shape, x.dtype),
-            jnp.zeros(layer_out.shape, layer_out.dtype),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n, n), _F32),
+            *_post.empty_backward(x, layer_out),
             *([jnp.zeros((0, n), _F32)] if carried else []),
-        ) + tuple(jnp.zeros(jnp.shape(p), _F32) for p in params)
+            *(jnp.zeros(jnp.shape(p), _F32) for p in params),
+        )
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)

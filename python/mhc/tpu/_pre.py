@@ -408,17 +408,11 @@ def _kernel(*refs, config: Config, features: int, carried: str):
 def _transposed_weight(config: Config, params: Params, features: int, padded: int):
     """(norm_weight * phi)^T as [rows, n Dp]: each coefficient group on its own multiple of 8
     rows, the padded features zero. Also the per-row alpha and bias columns [rows, 1]."""
-    n, g, width = config.n, _layout.group_rows(config.n), config.projection_width
+    n, width = config.n, config.projection_width
     folded = (params.norm_weight[:, None] * params.phi).reshape(n, features, width)
     folded = jnp.pad(folded, ((0, 0), (0, padded - features), (0, 0))).reshape(n * padded, width)
     rows = _layout.logit_rows(n, config.mix)
-    # Destination row of each projection column: pre k -> k, post k -> G + k, residual (i, j) ->
-    # (2 + i) G + j (Sinkhorn) or p -> 2 G + p (permutations).
-    if config.mix == "sinkhorn":
-        residual = [(2 + i) * g + j for i in range(n) for j in range(n)]
-    else:
-        residual = [2 * g + p for p in range(config.residual_logits)]
-    destination = np.asarray(list(range(n)) + [g + k for k in range(n)] + residual)
+    destination = _destinations(config)
     weight = jnp.zeros((rows, n * padded), _F32).at[destination].set(folded.T)
     group_alpha = jnp.concatenate(
         [jnp.full((n,), params.alpha[0]), jnp.full((n,), params.alpha[1]), jnp.full((width - 2 * n,), params.alpha[2])]
