@@ -214,8 +214,8 @@ def boundary(
     """``post(layer_out, ctx)`` then ``pre`` of the next sublayer on its result, in one pass
     (spec: Boundary): the next sublayer's (layer_in, Context), whose ``x`` is the new streams.
 
-    On the kernel path (``use_kernel`` and ``ctx.use_kernel``) the CPU runs the fused boundary
-    kernels: the new streams are written once and projected while in cache, and the backward
+    On the kernel path (``use_kernel`` and ``ctx.use_kernel``) the CPU and the TPU run the fused
+    boundary kernels: the new streams are written once and projected while in cache, and the backward
     recomputes them instead of keeping them, never storing their gradient. The results equal the
     two calls bit for bit. With D split over devices it runs the two operations.
 
