@@ -10,7 +10,6 @@ non-default config scalars), each with a ragged last token tile. The case of thr
 also checks batch invariance (a token alone, bit for bit).
 """
 
-import base64
 import re
 
 import jax
@@ -30,6 +29,7 @@ from conftest import (
     random_numpy_params,
     round_by_one_unit,
 )
+from mhc.tpu._schedule import mosaic_modules as _mosaic_modules  # the other TPU test files import it from here
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
 pytestmark = pytest.mark.slow
@@ -191,26 +191,6 @@ def test_post_forward_and_backward_match_reference(seed, case):
 def _export(function, *args):
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
     return jax.export.export(jax.jit(function), platforms=["tpu"])(*shapes).mlir_module()
-
-
-def _mosaic_modules(module_text: str) -> list[str]:
-    """The Mosaic kernels of an exported module, as text (each tpu_custom_call carries its kernel
-    as serialized MLIR bytecode in its backend config)."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib import tpu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.passmanager import PassManager
-
-    kernels = []
-    for body in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", module_text):
-        context = mlir.make_ir_context()
-        tpu.register_dialect(context)
-        with context, ir.Location.unknown():
-            context.allow_unregistered_dialects = True
-            module = ir.Module.parse(base64.b64decode(body))
-            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
-            kernels.append(str(module))
-    return kernels
 
 
 @pytest.mark.parametrize("n", [4, 3])
