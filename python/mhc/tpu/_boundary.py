@@ -37,14 +37,10 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool):
     """carried: V4.1's boundary, whose h_pre of l ((G, tile), after h_res) is l+1's carried mix."""
     x_ref, layer_out_ref, h_post_ref, h_res_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
     carried_ref = parameters.pop(0) if carried else _pre.OWN_GATES
-    weight_ref, scale_ref, bias_ref, table_ref = (*parameters, None)[:4]
     _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
     _pre.pre_body(
         x_next_ref,
-        weight_ref,
-        scale_ref,
-        bias_ref,
-        table_ref,
+        parameters,
         layer_in_ref,
         coefficients_ref,
         config=config,

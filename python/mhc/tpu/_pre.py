@@ -339,25 +339,14 @@ OWN_GATES = "own gates"
 ONE_HOT, CARRIED = "one-hot", "carried"
 
 
-def pre_body(
-    x_ref,
-    weight_ref,
-    scale_ref,
-    bias_ref,
-    table_ref,
-    layer_in_ref,
-    coefficients_ref,
-    *,
-    config,
-    features,
-    carried_ref=OWN_GATES,
-):
+def pre_body(x_ref, parameter_refs, layer_in_ref, coefficients_ref, *, config, features, carried_ref=OWN_GATES):
     """Spec: Forward steps 1-6 for one token tile of x_ref [tile, n, Dp] (an input block, or the
     boundary kernel's x_next output block, already in VMEM): layer_in_ref [tile, Dp] and
-    coefficients_ref [coefficient rows, tile] (tokens in the lanes). table_ref: the permutation
-    table, or None (Sinkhorn). carried_ref: OWN_GATES (V4: the pre-apply mixes with this tile's
-    h_pre), or V4.1's carried mix (spec: Single-pass schedule) as a (G, tile) ref with the tokens
-    in the lanes, or None for its one-hot on stream 0."""
+    coefficients_ref [coefficient rows, tile] (tokens in the lanes). parameter_refs: the weight,
+    scale and bias refs, then the permutation table's (none for Sinkhorn). carried_ref: OWN_GATES
+    (V4: the pre-apply mixes with this tile's h_pre), or V4.1's carried mix (spec: Single-pass
+    schedule) as a (G, tile) ref with the tokens in the lanes, or None for its one-hot on stream 0."""
+    weight_ref, scale_ref, bias_ref, table_ref = (*parameter_refs, None)[:4]
     n, g = config.n, _layout.group_rows(config.n)
     tile = x_ref.shape[0]
     # Steps 1-2.
@@ -385,23 +374,10 @@ def pre_body(
 
 def _kernel(*refs, config: Config, features: int, carried: str):
     """carried: OWN_GATES (V4), ONE_HOT, or CARRIED (a (G, tile) block of the mix follows x)."""
-    x_ref, *refs = refs
-    carried_ref = refs.pop(0) if carried == CARRIED else (None if carried == ONE_HOT else OWN_GATES)
-    if config.mix == "permutations":
-        weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref = refs
-    else:
-        (weight_ref, scale_ref, bias_ref, layer_in_ref, coefficients_ref), table_ref = refs, None
+    x_ref, *parameter_refs, layer_in_ref, coefficients_ref = refs
+    carried_ref = parameter_refs.pop(0) if carried == CARRIED else (None if carried == ONE_HOT else OWN_GATES)
     pre_body(
-        x_ref,
-        weight_ref,
-        scale_ref,
-        bias_ref,
-        table_ref,
-        layer_in_ref,
-        coefficients_ref,
-        config=config,
-        features=features,
-        carried_ref=carried_ref,
+        x_ref, parameter_refs, layer_in_ref, coefficients_ref, config=config, features=features, carried_ref=carried_ref
     )
 
 
