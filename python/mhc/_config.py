@@ -17,6 +17,30 @@ import numpy as np
 if TYPE_CHECKING:  # the annotations only: mhc.torch imports this module without jax
     import jax
 
+# The functional API every binding (mhc.jax, mhc.torch) exports, name for name: each binding's
+# __all__ is these and its own extras.
+BINDING_API = (
+    "Config",
+    "Context",
+    "Params",
+    "init_params",
+    "HeadParams",
+    "init_head_params",
+    "head",
+    "pre",
+    "post",
+    "boundary",
+    "Pending",
+    "Streams",
+    "sublayer",
+    "finish",
+    "streams",
+    "collapse",
+    "stack",
+    "expand",
+    "reduce",
+    "reference",
+)
 MIXES = ("sinkhorn", "permutations")
 MAX_STREAMS = 16
 MAX_PERMUTATION_STREAMS = 6
@@ -57,6 +81,14 @@ class Config:
             raise ValueError(
                 f"Config.pre_from_previous: expected a bool (True: DeepSeek-V4.1's carried mix), "
                 f"got {self.pre_from_previous!r}"
+            )
+
+    def check_reads_carried(self) -> None:
+        """A pre given a carried mix (the previous sublayer's h_pre): only V4.1's schedule reads one."""
+        if not self.pre_from_previous:
+            raise ValueError(
+                "carried: a carried mix is read only by DeepSeek-V4.1's schedule; pass "
+                "Config(..., pre_from_previous=True), or carried=None"
             )
 
     @property

@@ -135,6 +135,26 @@ def spread_draws(elements: int) -> int:
     return min(max(-(-SPREAD_VALUES // max(elements, 1)), 2), SPREAD_VALUES)
 
 
+def assert_gradients_match_central_differences(loss, inputs, names, gradients, seed, unchecked=()):
+    """Each analytic gradient (of loss(inputs) wrt inputs[i], float64) against central differences;
+    the inputs named in ``unchecked`` (which loss does not read) are passed over."""
+    for index, (name, analytic) in enumerate(zip(names, gradients, strict=True)):
+        if name in unchecked:
+            continue
+        numeric = np.zeros_like(inputs[index])
+        for k in np.ndindex(inputs[index].shape):
+            saved = inputs[index][k]
+            h = 1e-6 * max(1.0, abs(saved))
+            inputs[index][k] = saved + h
+            up = loss(inputs)
+            inputs[index][k] = saved - h
+            down = loss(inputs)
+            inputs[index][k] = saved
+            numeric[k] = (up - down) / (2 * h)
+        error = np.linalg.norm(analytic - numeric) / np.linalg.norm(numeric)
+        assert error <= 1e-6, f"d{name}: backward vs finite differences {error:.3g} (seed {seed})"
+
+
 def assert_matches(name, got, want, tolerance, perturbed, context=""):
     """relative_error(got, want) within the rule above. `tolerance`: the spec's bound for got's
     dtype; perturbed(rng) returns the oracle's value of this tensor on inputs moved by

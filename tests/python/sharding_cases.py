@@ -34,6 +34,7 @@ import numpy_reference  # noqa: E402
 from conftest import (  # noqa: E402
     assert_chain_matches,
     assert_matches,
+    assert_sublayer_matches_reference,
     chain_values,
     head_loss_values,
     perturbed_chain_values,
@@ -437,15 +438,8 @@ def check_fsdp_parameters(seed):
             if program is pre_post:
                 (layer_in, out), (dx, dlayer_out, dparams) = got
                 values = dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
-                oracle_inputs = (x, layer_out, params, *cotangents)
-                want_values = numpy_reference.values(x, layer_out, params, config, *cotangents)
-                for key, value in values.items():
-
-                    def perturbed(rng, key=key, oracle_inputs=oracle_inputs):
-                        x_, lo_, params_, dli_, dout_ = (round_by_one_unit(rng, v) for v in oracle_inputs)
-                        return numpy_reference.values(x_, lo_, params_, config, dli_, dout_, noise=rng)[key]
-
-                    assert_matches(f"{name}: {key}", value, want_values[key], 1e-5, perturbed, f"(seed {seed})")
+                context = f"({name}, seed {seed})"
+                assert_sublayer_matches_reference(values, x, layer_out, params, config, cotangents, context)
             print(f"ok: {name}")
 
 
@@ -471,7 +465,6 @@ def check_vmap_sharded(seed):
         outputs, vjp = jax.vjp(batched, x, layer_out, params)
         return outputs, vjp(cotangents)
 
-    want = numpy_reference.values(x, layer_out, params, config, *cotangents)
     mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
     for label, spec in {"the batch axis": P("data"), "the token axis": P(None, "data")}.items():
         name = f"vmap of pre/post under jit, {label} sharded over 2 devices"
@@ -479,14 +472,7 @@ def check_vmap_sharded(seed):
         (layer_in, out), (dx, dlayer_out, dparams) = jax.jit(values_and_vjp)(xs, layer_out, params, cotangents)
         assert normalized(out.sharding.spec, 4, mesh) == normalized(spec, 4, mesh), f"{name}: out {out.sharding}"
         got = dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
-        oracle_inputs = (x, layer_out, params, *cotangents)
-        for key, value in got.items():
-
-            def perturbed(rng, key=key, oracle_inputs=oracle_inputs):
-                x_, lo_, params_, dli_, dout_ = (round_by_one_unit(rng, v) for v in oracle_inputs)
-                return numpy_reference.values(x_, lo_, params_, config, dli_, dout_, noise=rng)[key]
-
-            assert_matches(f"{name}: {key}", value, want[key], 1e-5, perturbed, f"(seed {seed})")
+        assert_sublayer_matches_reference(got, x, layer_out, params, config, cotangents, f"({name}, seed {seed})")
         print(f"ok: {name}")
 
 

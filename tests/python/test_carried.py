@@ -19,7 +19,14 @@ import pytest
 
 import mhc.jax as mj
 import numpy_reference
-from conftest import assert_chain_matches, assert_matches, random_params, relative_error, round_by_one_unit
+from conftest import (
+    assert_chain_matches,
+    assert_gradients_match_central_differences,
+    assert_matches,
+    random_params,
+    relative_error,
+    round_by_one_unit,
+)
 from mhc.jax import _kernels
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -96,23 +103,12 @@ def test_numpy_carried_backward_matches_finite_differences(seed, mix, one_hot):
     want = numpy_reference.carried_values(
         inputs[0], inputs[1], mj.Params(*inputs[3:]), config, None if one_hot else inputs[2], *weights
     )
-    names = ["dx", "dlayer_out", "dcarried", "dnorm_weight", "dphi", "dalpha", "dbias"]
-    for index, name in enumerate(names):
-        if one_hot and name == "dcarried":
-            assert want[name] is None
-            continue
-        numeric = np.zeros_like(inputs[index])
-        for k in np.ndindex(inputs[index].shape):
-            saved = inputs[index][k]
-            h = 1e-6 * max(1.0, abs(saved))
-            inputs[index][k] = saved + h
-            up = loss(inputs)
-            inputs[index][k] = saved - h
-            down = loss(inputs)
-            inputs[index][k] = saved
-            numeric[k] = (up - down) / (2 * h)
-        error = np.linalg.norm(want[name] - numeric) / np.linalg.norm(numeric)
-        assert error <= 1e-6, f"{name}: backward vs finite differences {error:.3g} (seed {seed})"
+    names = ["x", "layer_out", "carried", *mj.Params._fields]
+    assert (want["dcarried"] is None) == one_hot  # the one-hot's loss does not read carried
+    gradients = [want[f"d{name}"] for name in names]
+    assert_gradients_match_central_differences(
+        loss, inputs, names, gradients, seed, unchecked=("carried",) if one_hot else ()
+    )
 
 
 def test_numpy_collapse_matches_finite_differences(seed):

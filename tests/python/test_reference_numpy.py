@@ -8,7 +8,7 @@ import pytest
 
 import mhc.jax as mj
 import numpy_reference
-from conftest import random_params, relative_error, sublayer_values
+from conftest import assert_gradients_match_central_differences, random_params, relative_error, sublayer_values
 
 CUSTOM = dict(pre_eps=0.1, sinkhorn_eps=0.05, rms_eps=0.5, post_scale=1.3)
 
@@ -51,23 +51,6 @@ def test_numpy_backward_matches_finite_differences(seed, n, d, mix, iters, extra
     dx, dlo, dparams = numpy_reference.backward(inputs[0], inputs[1], mj.Params(*inputs[2:]), config, w_in, w_out)
     names = ["x", "layer_out", *mj.Params._fields]
     assert_gradients_match_central_differences(loss, inputs, names, [dx, dlo, *dparams], seed)
-
-
-def assert_gradients_match_central_differences(loss, inputs, names, gradients, seed):
-    """Each analytic gradient (of loss(inputs) wrt inputs[i], float64) against central differences."""
-    for index, (name, analytic) in enumerate(zip(names, gradients, strict=True)):
-        numeric = np.zeros_like(inputs[index])
-        for k in np.ndindex(inputs[index].shape):
-            saved = inputs[index][k]
-            h = 1e-6 * max(1.0, abs(saved))
-            inputs[index][k] = saved + h
-            up = loss(inputs)
-            inputs[index][k] = saved - h
-            down = loss(inputs)
-            inputs[index][k] = saved
-            numeric[k] = (up - down) / (2 * h)
-        error = np.linalg.norm(analytic - numeric) / np.linalg.norm(numeric)
-        assert error <= 1e-6, f"d{name}: backward vs finite differences {error:.3g} (seed {seed})"
 
 
 @pytest.mark.parametrize("v41", [False, True], ids=["v4", "v41-carried"])

@@ -13,7 +13,6 @@ import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
 from conftest import (
-    assert_matches,
     assert_mixed_in_f32_and_rounded_once,
     assert_post_mixed_in_f32_and_rounded_once,
     random_numpy_params,
@@ -28,6 +27,7 @@ from test_tpu_kernels import (
     _no_races,
     _post_problem,
     _tolerance,
+    assert_outputs_match,
     assert_pre_forward_matmuls_f32_accurate,
 )
 from test_tpu_pre_backward import _oracle as _pre_backward_oracle
@@ -101,17 +101,8 @@ def test_boundary_forward_matches_reference(seed, case):
             return _post_oracle(*(round_by_one_unit(rng, a) for a in post_inputs))
         return _pre_oracle(config, round_by_one_unit(rng, stored), round_by_one_unit(rng, params), rng)[index - 1]
 
-    for index, (name, value) in enumerate(zip(NAMES, got, strict=True)):
-        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
-        assert value.dtype == (dtype if index < 2 else jnp.float32), f"{name}: dtype {value.dtype}"
-        assert_matches(
-            name,
-            value,
-            want[index],
-            _tolerance(value.dtype),
-            lambda rng, i=index: perturbed(rng, i),
-            f"(seed {seed})",
-        )
+    dtypes = [dtype if index < 2 else jnp.float32 for index in range(len(NAMES))]
+    assert_outputs_match(NAMES, got, want, dtypes, perturbed, seed)
     if dtype == jnp.bfloat16:
         # x_next is the post's mix; layer_in mixes the stored x_next with the kernel's own gates.
         assert_post_mixed_in_f32_and_rounded_once(got[0], x, layer_out, h_post, h_res, f"(seed {seed})")
@@ -258,11 +249,8 @@ def _check_backward_against_reference(seed, case, cores=None):
     def perturbed(rng, index):
         return _backward_oracle(config, *(round_by_one_unit(rng, a) for a in inputs), dtype, rng)[0][index]
 
-    for index, (name, value) in enumerate(zip(BACKWARD_NAMES, got, strict=True)):
-        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
-        assert value.dtype == dtypes[index], f"{name}: dtype {value.dtype}"
-        tolerance = max(_tolerance(dtype), _tolerance(value.dtype))
-        assert_matches(name, value, want[index], tolerance, lambda r, i=index: perturbed(r, i), f"(seed {seed})")
+    tolerances = [max(_tolerance(dtype), _tolerance(output_dtype)) for output_dtype in dtypes]
+    assert_outputs_match(BACKWARD_NAMES, got, want, dtypes, perturbed, seed, tolerances)
 
 
 def test_boundary_backward_equals_separate_kernels_bit_for_bit(seed):

@@ -11,7 +11,7 @@ import pytest
 import mhc.jax as mj
 import mhc.tpu
 import numpy_reference
-from conftest import assert_matches, assert_mixed_in_f32_and_rounded_once, round_by_one_unit
+from conftest import assert_mixed_in_f32_and_rounded_once, round_by_one_unit
 from test_head import random_head
 from test_tpu_kernels import (
     CUSTOM,
@@ -23,7 +23,7 @@ from test_tpu_kernels import (
     _export,
     _mosaic_modules,
     _no_races,
-    _tolerance,
+    assert_outputs_match,
     assert_pre_forward_matmuls_f32_accurate,
 )
 
@@ -81,17 +81,8 @@ def test_head_forward_and_backward_match_reference(seed, case):
     x64, dout64 = as64(x), as64(dout)
     want = _oracle(config, x64, head, dout64)
     dtypes = (dtype, jnp.float32, dtype, jnp.float32, jnp.float32, jnp.float32)
-    for index, (name, value) in enumerate(zip(NAMES, got, strict=True)):
-        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
-        assert value.dtype == dtypes[index], f"{name}: dtype {value.dtype}"
-        assert_matches(
-            name,
-            value,
-            want[index],
-            _tolerance(value.dtype),
-            lambda rng, i=index: _oracle(config, *(round_by_one_unit(rng, v) for v in (x64, head, dout64)), rng)[i],
-            f"(seed {seed})",
-        )
+    perturbed = lambda rng, i: _oracle(config, *(round_by_one_unit(rng, v) for v in (x64, head, dout64)), rng)[i]  # noqa: E731
+    assert_outputs_match(NAMES, got, want, dtypes, perturbed, seed)
     if dtype == jnp.bfloat16:
         # out mixes x with the kernel's own f32 gates (spec: Accuracy, the precision policy).
         assert_mixed_in_f32_and_rounded_once("out", got[0], got[1], x, f"(seed {seed})")

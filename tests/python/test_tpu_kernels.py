@@ -10,7 +10,6 @@ non-default config scalars), each with a ragged last token tile. The case of thr
 also checks batch invariance (a token alone, bit for bit).
 """
 
-import base64
 import re
 
 import jax
@@ -30,6 +29,7 @@ from conftest import (
     random_numpy_params,
     round_by_one_unit,
 )
+from mhc.tpu._schedule import mosaic_modules as _mosaic_modules  # the other TPU test files import it from here
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
 pytestmark = pytest.mark.slow
@@ -71,6 +71,17 @@ def _tolerance(dtype) -> float:
     return 1e-2 if dtype == jnp.bfloat16 else 1e-5
 
 
+def assert_outputs_match(names, got, want, dtypes, perturbed, seed, tolerances=None):
+    """Each output of a kernel against the float64 oracle's: its shape, its dtype (dtypes), then its
+    values by assert_matches within tolerances (default: the bound of its dtype); perturbed(rng, i)
+    is the oracle's output i on inputs moved by round_by_one_unit(rng, ...)."""
+    for index, (name, value) in enumerate(zip(names, got, strict=True)):
+        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
+        assert value.dtype == dtypes[index], f"{name}: dtype {value.dtype}"
+        tolerance = _tolerance(value.dtype) if tolerances is None else tolerances[index]
+        assert_matches(name, value, want[index], tolerance, lambda rng, i=index: perturbed(rng, i), f"(seed {seed})")
+
+
 def _no_races():
     state = interpret_pallas_call.races
     assert state is None or not state.races_found, "the TPU interpreter found a race (printed above)"
@@ -108,18 +119,14 @@ def test_pre_forward_matches_reference(seed, case):
         return f["layer_in"], f["h_pre"], f["h_post"], f["h_res"]
 
     want = oracle(x64, params)
-    for index, (name, value) in enumerate(zip(("layer_in", "h_pre", "h_post", "h_res"), got, strict=True)):
-        expected_shape = want[index].shape
-        assert value.shape == expected_shape, f"{name}: shape {value.shape}, expected {expected_shape}"
-        assert value.dtype == (dtype if name == "layer_in" else jnp.float32), f"{name}: dtype {value.dtype}"
-        assert_matches(
-            name,
-            value,
-            want[index],
-            _tolerance(value.dtype),
-            lambda rng, i=index: oracle(round_by_one_unit(rng, x64), round_by_one_unit(rng, params), rng)[i],
-            f"(seed {seed})",
-        )
+    assert_outputs_match(
+        ("layer_in", "h_pre", "h_post", "h_res"),
+        got,
+        want,
+        (dtype, jnp.float32, jnp.float32, jnp.float32),
+        lambda rng, i: oracle(round_by_one_unit(rng, x64), round_by_one_unit(rng, params), rng)[i],
+        seed,
+    )
     if dtype == jnp.bfloat16:
         # layer_in mixes x with the kernel's own f32 gates (spec: Accuracy, the precision policy).
         assert_mixed_in_f32_and_rounded_once("layer_in", got[0], got[1], x, f"(seed {seed})")
@@ -166,19 +173,9 @@ def test_post_forward_and_backward_match_reference(seed, case):
     names = ("out", "dx_partial", "dlayer_out", "dh_post", "dh_res")
     dtypes = (dtype, dtype, dtype, jnp.float32, jnp.float32)
     want = _post_oracle(x, layer_out, g, h_post, h_res)
-    for index, (name, value) in enumerate(zip(names, (out, *backward), strict=True)):
-        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
-        assert value.dtype == dtypes[index], f"{name}: dtype {value.dtype}"
-        assert_matches(
-            name,
-            value,
-            want[index],
-            _tolerance(value.dtype),
-            lambda rng, i=index: _post_oracle(*(round_by_one_unit(rng, a) for a in (x, layer_out, g, h_post, h_res)))[
-                i
-            ],
-            f"(seed {seed})",
-        )
+    inputs = (x, layer_out, g, h_post, h_res)
+    perturbed = lambda rng, i: _post_oracle(*(round_by_one_unit(rng, a) for a in inputs))[i]  # noqa: E731
+    assert_outputs_match(names, (out, *backward), want, dtypes, perturbed, seed)
     if dtype == jnp.bfloat16:
         assert_post_mixed_in_f32_and_rounded_once(out, x, layer_out, h_post, h_res, f"(seed {seed})")
     if t > 2 * TILE:
@@ -191,26 +188,6 @@ def test_post_forward_and_backward_match_reference(seed, case):
 def _export(function, *args):
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
     return jax.export.export(jax.jit(function), platforms=["tpu"])(*shapes).mlir_module()
-
-
-def _mosaic_modules(module_text: str) -> list[str]:
-    """The Mosaic kernels of an exported module, as text (each tpu_custom_call carries its kernel
-    as serialized MLIR bytecode in its backend config)."""
-    from jax._src.interpreters import mlir
-    from jax._src.lib import tpu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.passmanager import PassManager
-
-    kernels = []
-    for body in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", module_text):
-        context = mlir.make_ir_context()
-        tpu.register_dialect(context)
-        with context, ir.Location.unknown():
-            context.allow_unregistered_dialects = True
-            module = ir.Module.parse(base64.b64decode(body))
-            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
-            kernels.append(str(module))
-    return kernels
 
 
 @pytest.mark.parametrize("n", [4, 3])

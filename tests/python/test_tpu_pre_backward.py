@@ -30,6 +30,7 @@ from test_tpu_kernels import (
     _mosaic_modules,
     _no_races,
     _tolerance,
+    assert_outputs_match,
 )
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
@@ -123,11 +124,8 @@ def _perturbed_oracle(config, x64, layer_out, params, dli64, g):
 
 
 def _assert_each_output_matches(seed, got, want, dtype, perturbed):
-    for index, (name, value) in enumerate(zip(NAMES, got, strict=True)):
-        assert value.shape == want[index].shape, f"{name}: shape {value.shape}, expected {want[index].shape}"
-        assert value.dtype == (dtype if name == "dx" else jnp.float32), f"{name}: dtype {value.dtype}"
-        context = f"(seed {seed})"
-        assert_matches(name, value, want[index], _tolerance(value.dtype), lambda r, i=index: perturbed(r, i), context)
+    dtypes = [dtype if name == "dx" else jnp.float32 for name in NAMES]
+    assert_outputs_match(NAMES, got, want, dtypes, perturbed, seed)
 
 
 def test_pre_backward_split_over_two_cores(seed):

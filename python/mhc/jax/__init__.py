@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from mhc._config import BINDING_API
 from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
 from mhc.jax._kernels import RESIDUAL_NAMES  # the checkpoint_names of the custom VJPs' residuals
 from mhc.jax._types import (
@@ -63,37 +64,12 @@ from mhc.jax._types import (
     check_head_args,
     check_post_args,
     check_pre_args,
-    init_head_params,
-    init_params,
     names_its_errors,
 )
+from mhc.jax._types import init_head_params as init_head_params  # re-exported (BINDING_API)
+from mhc.jax._types import init_params as init_params
 
-__all__ = [
-    "Config",
-    "Context",
-    "Params",
-    "init_params",
-    "HeadParams",
-    "init_head_params",
-    "head",
-    "pre",
-    "post",
-    "boundary",
-    "Pending",
-    "Streams",
-    "sublayer",
-    "finish",
-    "streams",
-    "collapse",
-    "stack",
-    "recompute_streams",
-    "recompute_policy",
-    "suggested_recompute",
-    "expand",
-    "reduce",
-    "reference",
-    "RESIDUAL_NAMES",
-]
+__all__ = [*BINDING_API, "recompute_streams", "recompute_policy", "suggested_recompute", "RESIDUAL_NAMES"]
 
 
 def _tensor_slices(tensor_axis, use_kernel: bool) -> int:
@@ -238,8 +214,8 @@ def boundary(
     """``post(layer_out, ctx)`` then ``pre`` of the next sublayer on its result, in one pass
     (spec: Boundary): the next sublayer's (layer_in, Context), whose ``x`` is the new streams.
 
-    On the kernel path (``use_kernel`` and ``ctx.use_kernel``) the CPU runs the fused boundary
-    kernels: the new streams are written once and projected while in cache, and the backward
+    On the kernel path (``use_kernel`` and ``ctx.use_kernel``) the CPU and the TPU run the fused
+    boundary kernels: the new streams are written once and projected while in cache, and the backward
     recomputes them instead of keeping them, never storing their gradient. The results equal the
     two calls bit for bit. With D split over devices it runs the two operations.
 

@@ -131,11 +131,7 @@ def check_carried(carried, x, config: Config) -> None:
     """The carried mix of V4.1's pre: None, or f32 [..., n] with x's leading axes."""
     if carried is None:
         return
-    if not config.pre_from_previous:
-        raise ValueError(
-            "carried: a carried mix is read only by DeepSeek-V4.1's schedule; pass "
-            "Config(..., pre_from_previous=True), or carried=None"
-        )
+    config.check_reads_carried()
     if not hasattr(carried, "dtype") or not hasattr(carried, "shape"):
         raise TypeError(f"carried: expected an array [..., n] (float32), got {type(carried).__name__}")
     if jnp.dtype(carried.dtype) != jnp.dtype(jnp.float32):

@@ -28,32 +28,11 @@ from typing import NamedTuple
 import torch
 import torch.utils.checkpoint
 
-from mhc._config import Config, HeadParams, Params
+from mhc._config import BINDING_API, Config, HeadParams, Params
 from mhc._errors import names_its_errors
 from mhc.torch import _checks, _ops, reference
 
-__all__ = [
-    "Config",
-    "Context",
-    "Params",
-    "init_params",
-    "HeadParams",
-    "init_head_params",
-    "head",
-    "pre",
-    "post",
-    "boundary",
-    "Pending",
-    "Streams",
-    "sublayer",
-    "finish",
-    "streams",
-    "collapse",
-    "stack",
-    "expand",
-    "reduce",
-    "reference",
-]
+__all__ = list(BINDING_API)
 
 
 class Context(NamedTuple):

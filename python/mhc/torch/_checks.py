@@ -87,11 +87,7 @@ def check_carried(carried, x, config, use_kernel: bool) -> None:
     """V4.1's carried mix: None (the one-hot on stream 0) or f32 [..., n] with x's leading axes."""
     if carried is None:
         return
-    if not config.pre_from_previous:
-        raise ValueError(
-            "carried: a carried mix is read only by DeepSeek-V4.1's schedule; pass "
-            "Config(..., pre_from_previous=True), or carried=None"
-        )
+    config.check_reads_carried()
     expected = (*x.shape[:-2], config.n)
     check_tensor("carried", carried, (torch.float32,), expected, use_kernel)
 

@@ -37,14 +37,10 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool):
     """carried: V4.1's boundary, whose h_pre of l ((G, tile), after h_res) is l+1's carried mix."""
     x_ref, layer_out_ref, h_post_ref, h_res_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
     carried_ref = parameters.pop(0) if carried else _pre.OWN_GATES
-    weight_ref, scale_ref, bias_ref, table_ref = (*parameters, None)[:4]
     _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
     _pre.pre_body(
         x_next_ref,
-        weight_ref,
-        scale_ref,
-        bias_ref,
-        table_ref,
+        parameters,
         layer_in_ref,
         coefficients_ref,
         config=config,
@@ -376,12 +372,10 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (
-            jnp.zeros(x.shape, x.dtype),
-            jnp.zeros(layer_out.shape, layer_out.dtype),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n, n), _F32),
+            *_post.empty_backward(x, layer_out),
             *([jnp.zeros((0, n), _F32)] if carried else []),
-        ) + tuple(jnp.zeros(jnp.shape(p), _F32) for p in params)
+            *(jnp.zeros(jnp.shape(p), _F32) for p in params),
+        )
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)

@@ -297,12 +297,7 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
         )
     t, n, d = x.shape
     if t == 0:
-        return (
-            jnp.zeros(x.shape, x.dtype),
-            jnp.zeros(layer_out.shape, layer_out.dtype),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n, n), _F32),
-        )
+        return empty_backward(x, layer_out)
     tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype)
     b = _blocks(t, n, d, tile)
     padded = b.padded
@@ -335,3 +330,15 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
         h_res.reshape(t, n * n),
     )
     return dx[:, :, :d], dlayer_out[:, :d], dh_post, dh_res.reshape(t, n, n)
+
+
+def empty_backward(x, layer_out) -> tuple:
+    """post_backward's results for no tokens (T = 0): (dx, dlayer_out, dh_post, dh_res), each empty;
+    shared by the fused boundary backward."""
+    n = x.shape[1]
+    return (
+        jnp.zeros(x.shape, x.dtype),
+        jnp.zeros(layer_out.shape, layer_out.dtype),
+        jnp.zeros((0, n), _F32),
+        jnp.zeros((0, n, n), _F32),
+    )

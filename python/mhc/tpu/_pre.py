@@ -339,25 +339,14 @@ OWN_GATES = "own gates"
 ONE_HOT, CARRIED = "one-hot", "carried"
 
 
-def pre_body(
-    x_ref,
-    weight_ref,
-    scale_ref,
-    bias_ref,
-    table_ref,
-    layer_in_ref,
-    coefficients_ref,
-    *,
-    config,
-    features,
-    carried_ref=OWN_GATES,
-):
+def pre_body(x_ref, parameter_refs, layer_in_ref, coefficients_ref, *, config, features, carried_ref=OWN_GATES):
     """Spec: Forward steps 1-6 for one token tile of x_ref [tile, n, Dp] (an input block, or the
     boundary kernel's x_next output block, already in VMEM): layer_in_ref [tile, Dp] and
-    coefficients_ref [coefficient rows, tile] (tokens in the lanes). table_ref: the permutation
-    table, or None (Sinkhorn). carried_ref: OWN_GATES (V4: the pre-apply mixes with this tile's
-    h_pre), or V4.1's carried mix (spec: Single-pass schedule) as a (G, tile) ref with the tokens
-    in the lanes, or None for its one-hot on stream 0."""
+    coefficients_ref [coefficient rows, tile] (tokens in the lanes). parameter_refs: the weight,
+    scale and bias refs, then the permutation table's (none for Sinkhorn). carried_ref: OWN_GATES
+    (V4: the pre-apply mixes with this tile's h_pre), or V4.1's carried mix (spec: Single-pass
+    schedule) as a (G, tile) ref with the tokens in the lanes, or None for its one-hot on stream 0."""
+    weight_ref, scale_ref, bias_ref, table_ref = (*parameter_refs, None)[:4]
     n, g = config.n, _layout.group_rows(config.n)
     tile = x_ref.shape[0]
     # Steps 1-2.
@@ -385,40 +374,21 @@ def pre_body(
 
 def _kernel(*refs, config: Config, features: int, carried: str):
     """carried: OWN_GATES (V4), ONE_HOT, or CARRIED (a (G, tile) block of the mix follows x)."""
-    x_ref, *refs = refs
-    carried_ref = refs.pop(0) if carried == CARRIED else (None if carried == ONE_HOT else OWN_GATES)
-    if config.mix == "permutations":
-        weight_ref, scale_ref, bias_ref, table_ref, layer_in_ref, coefficients_ref = refs
-    else:
-        (weight_ref, scale_ref, bias_ref, layer_in_ref, coefficients_ref), table_ref = refs, None
+    x_ref, *parameter_refs, layer_in_ref, coefficients_ref = refs
+    carried_ref = parameter_refs.pop(0) if carried == CARRIED else (None if carried == ONE_HOT else OWN_GATES)
     pre_body(
-        x_ref,
-        weight_ref,
-        scale_ref,
-        bias_ref,
-        table_ref,
-        layer_in_ref,
-        coefficients_ref,
-        config=config,
-        features=features,
-        carried_ref=carried_ref,
+        x_ref, parameter_refs, layer_in_ref, coefficients_ref, config=config, features=features, carried_ref=carried_ref
     )
 
 
 def _transposed_weight(config: Config, params: Params, features: int, padded: int):
     """(norm_weight * phi)^T as [rows, n Dp]: each coefficient group on its own multiple of 8
     rows, the padded features zero. Also the per-row alpha and bias columns [rows, 1]."""
-    n, g, width = config.n, _layout.group_rows(config.n), config.projection_width
+    n, width = config.n, config.projection_width
     folded = (params.norm_weight[:, None] * params.phi).reshape(n, features, width)
     folded = jnp.pad(folded, ((0, 0), (0, padded - features), (0, 0))).reshape(n * padded, width)
     rows = _layout.logit_rows(n, config.mix)
-    # Destination row of each projection column: pre k -> k, post k -> G + k, residual (i, j) ->
-    # (2 + i) G + j (Sinkhorn) or p -> 2 G + p (permutations).
-    if config.mix == "sinkhorn":
-        residual = [(2 + i) * g + j for i in range(n) for j in range(n)]
-    else:
-        residual = [2 * g + p for p in range(config.residual_logits)]
-    destination = np.asarray(list(range(n)) + [g + k for k in range(n)] + residual)
+    destination = _destinations(config)
     weight = jnp.zeros((rows, n * padded), _F32).at[destination].set(folded.T)
     group_alpha = jnp.concatenate(
         [jnp.full((n,), params.alpha[0]), jnp.full((n,), params.alpha[1]), jnp.full((width - 2 * n,), params.alpha[2])]

@@ -460,16 +460,6 @@ def accumulator_shapes(split: _layout.CoreSplit, weight_shape, rows: int):
     return [jax.ShapeDtypeStruct((split.cores, *shape), _F32) for shape in (weight_shape, (rows, 1), (rows, 1))]
 
 
-def _logit_row_of_column(config: Config) -> np.ndarray:
-    """The row of the transposed weight (_pre._transposed_weight) that holds projection column c."""
-    n, g = config.n, _layout.group_rows(config.n)
-    if config.mix == "sinkhorn":
-        residual = [(2 + i) * g + j for i in range(n) for j in range(n)]
-    else:
-        residual = [2 * g + p for p in range(config.residual_logits)]
-    return np.asarray(list(range(n)) + [g + k for k in range(n)] + residual)
-
-
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
 def pre_backward(
     config: Config,
@@ -598,7 +588,7 @@ def parameter_grads(config: Config, params: Params, gram, dbias_rows, dalpha_row
     in the transposed weight's rows (spec: Backward, Projection and Scales and biases); shared by
     pre_backward and the fused boundary backward."""
     n, padded = config.n, _layout.padded_features(d)
-    row_of_column = _logit_row_of_column(config)
+    row_of_column = _pre._destinations(config)  # the transposed weight's row of each column c
     # gram[row of c, k Dp + d] = sum_t dP[t, c] x[t, k, d]: back to [n D, N] without the padding.
     projection_grad = gram[row_of_column].reshape(-1, n, padded)[:, :, :d].reshape(-1, n * d).T
     norm_weight, phi = jnp.asarray(params.norm_weight, _F32), jnp.asarray(params.phi, _F32)

@@ -22,6 +22,7 @@ loops with a trip count held in a register (not a constant) are counted once and
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import pathlib
 import re
@@ -239,3 +240,24 @@ def estimate_us(step: StepSchedule, grid_steps: int, chip: str) -> float:
 def floor_us(spec_bytes: float, chip: str) -> float:
     """The spec's minimum HBM bytes at the chip's bandwidth."""
     return spec_bytes / CHIPS[chip]["hbm_bytes_per_s"] * 1e6
+
+
+def mosaic_modules(lowered_text: str) -> list[str]:
+    """The Mosaic kernels of a lowered or exported module, as text: each tpu_custom_call carries
+    its kernel as serialized MLIR bytecode in its backend config (compile_report reads the grid
+    from it, the tests the MXU precision and the layouts)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+
+    kernels = []
+    for body in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", lowered_text):
+        context = mlir.make_ir_context()
+        tpu.register_dialect(context)
+        with context, ir.Location.unknown():
+            context.allow_unregistered_dialects = True
+            module = ir.Module.parse(base64.b64decode(body))
+            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+            kernels.append(str(module))
+    return kernels

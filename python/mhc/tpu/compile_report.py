@@ -127,27 +127,6 @@ def _report(compiled_text: str, x_bytes: int):
     return max(vmem, default=0), copies
 
 
-def _mosaic_text(lowered_text: str) -> str:
-    """The Mosaic kernels of a lowered module as text (their serialized bodies decoded)."""
-    import base64
-
-    from jax._src.interpreters import mlir
-    from jax._src.lib import tpu
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.passmanager import PassManager
-
-    kernels = []
-    for body in re.findall(r"\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22", lowered_text):
-        context = mlir.make_ir_context()
-        tpu.register_dialect(context)
-        with context, ir.Location.unknown():
-            context.allow_unregistered_dialects = True
-            module = ir.Module.parse(base64.b64decode(body))
-            PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
-            kernels.append(str(module))
-    return "\n".join(kernels)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--chips", nargs="+", default=["v5e", "v6e"], choices=sorted(_schedule.CHIPS))
@@ -192,7 +171,7 @@ def main():
                     lowered = function.trace(*structs).lower()
                     compiled = lowered.compile()
                 seconds = time.perf_counter() - start
-                grid = _grid(_mosaic_text(lowered.as_text()))
+                grid = _grid("\n".join(_schedule.mosaic_modules(lowered.as_text())))
                 tile = -(-args.tokens // _token_tiles(grid)) if grid else "?"
                 spec_bytes = args.tokens * units(args.n) * d * size
                 vmem, copies = _report(compiled.as_text(), args.tokens * args.n * d * size)
