@@ -381,7 +381,7 @@ def format_table(result: dict) -> str:
         for r in result["overhead"]:
             shape = f"T={r['tokens']} n={r['n']} D={r['dim']} {r['dtype']}"
             cells = [f"{r['run_us']:>13.1f}"] + [
-                f"{r[k + '_us']:>6.1f} +{r[k + '_us'] - r['run_us']:>5.1f}" for k in layers[1:]
+                f"{r[k + '_us']:>6.1f} {r[k + '_us'] - r['run_us']:+6.1f}" for k in layers[1:]
             ]
             lines.append(f"{shape:<26} " + " ".join(cells))
     lines += result["notes"]
