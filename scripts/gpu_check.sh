@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA backend's check on a GPU machine (an H200 lent for a few minutes): one Ninja build of
 # the library, its CUDA tests and benchmark and the Python FFI modules, then the device tests,
-# compute-sanitizer, the CUDA-event benchmark, the Python package on the GPU and the jitted
-# sublayer against plain JAX. It cannot pass by accident: every device test runs with
+# compute-sanitizer, the CUDA-event benchmark, the Python package on the GPU, the jitted
+# sublayer against plain JAX, and mhc.torch on CUDA tensors. It cannot pass by accident: every device test runs with
 # MHC_REQUIRE_CUDA=1 (no device fails instead of skipping), a skipped or missing test fails its
 # stage, and the Python stages fail unless jax's default device is a GPU.
 #
@@ -17,7 +17,8 @@
 # the one architecture built), GPU_CHECK_BUILD (default build-gpu), GPU_CHECK_JOBS (default
 # nproc), GPU_CHECK_BUDGET (seconds for the whole run, default 540: no stage starts with less
 # than 20 s left, so the summary comes back inside a 10-minute call), PYTHON (the interpreter
-# with jax and nanobind; otherwise found).
+# with jax and nanobind; otherwise found), TORCH_PYTHON (the torch stage's interpreter, default the
+# same; it must be the same Python version, the package's extension being built for that one).
 #
 # Estimate on the H200 machine (16 cores), seconds, against each stage's limit. Not measured
 # there yet; derived from a 2-core machine (a clean build of these targets: 103 s there, 106 s
@@ -43,18 +44,24 @@
 #                                GPU, XLA autotuning off
 #   bench_jax         35    180  python -m mhc.bench: sublayer fwd and fwd+bwd, kernel vs plain JAX,
 #                                at the target shape only (T = 65536, D = 7168, bf16)
-#   total            310         (under 6 minutes; a fresh machine's start comes on top)
+#   torch             30    120  scripts/gpu_check_torch.py (UNVERIFIED: never run on a GPU; its CPU
+#                                dry run, --device cpu, has): mhc.torch's kernel path on CUDA tensors
+#                                refused as documented (no CUDA op registered; if one runs, compared
+#                                with the CPU kernels instead), the plain-torch path's sublayer
+#                                forward+backward on the GPU (f32, bf16) and the transformers
+#                                drop-in against the CPU kernels; fails unless torch sees a GPU
+#   total            340         (under 6 minutes; a fresh machine's start comes on top)
 # shellcheck disable=SC2317  # the stage functions run indirectly: timeout ... bash -c NAME
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 
-STAGES=(info build device tests sanitizer bench_cpp pytest bench_jax)
-GPU_STAGES="device tests sanitizer bench_cpp pytest bench_jax"
+STAGES=(info build device tests sanitizer bench_cpp pytest bench_jax torch)
+GPU_STAGES="device tests sanitizer bench_cpp pytest bench_jax torch"
 declare -A LIMIT=([info]=60 [build]=300 [device]=60 [tests]=180 [sanitizer]=150 [bench_cpp]=150
-  [pytest]=180 [bench_jax]=180)
+  [pytest]=180 [bench_jax]=180 [torch]=120)
 declare -A ESTIMATE=([info]=10 [build]=100 [device]=5 [tests]=45 [sanitizer]=45 [bench_cpp]=30
-  [pytest]=40 [bench_jax]=35)
+  [pytest]=40 [bench_jax]=35 [torch]=30)
 
 # Test selections (checked against --gtest_list_tests of a CPU build).
 TC_FILTER='*bf16*:CudaDevice.BitwiseRunToRun:CudaDevice.SanitizerVectorPathD1024'
@@ -396,7 +403,24 @@ bench_jax() {
     --ops sublayer_fwd sublayer_fwd_bwd --no-memory --repeats 5 --json "$LOGS/jax_bench.json"
 }
 
-export -f info configure build device gtest_count tests sanitizer bench_cpp jax_on_gpu pytest bench_jax
+# mhc.torch on the GPU (UNVERIFIED: this stage has never run on one). No CUDA op is registered
+# today, so the kernel path must refuse CUDA tensors; the plain path runs there and is compared
+# with the CPU kernels (scripts/gpu_check_torch.py fails unless torch sees a CUDA device).
+torch() {
+  if [[ ! -d "$PKG/mhc" ]]; then
+    echo "the Python package was not built (see the build stage's log)"
+    return 1
+  fi
+  local py="${TORCH_PYTHON:-$PY}"
+  if ! PYTHONPATH="$PKG" "$py" -c 'import torch, mhc.torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; then
+    echo "no torch with mhc.torch in $py: set TORCH_PYTHON to an interpreter with torch (CUDA wheel),"
+    echo "the same Python version as $PY (the package's extension is built for that one)"
+    return 1
+  fi
+  PYTHONPATH="$PKG" "$py" "$ROOT/scripts/gpu_check_torch.py" --json "$LOGS/torch_check.json"
+}
+
+export -f info configure build device gtest_count tests sanitizer bench_cpp jax_on_gpu pytest bench_jax torch
 
 # --- the driver ---
 
@@ -449,7 +473,7 @@ load_toolchain() {
 
 built() {
   [[ -x "$BUILD/mhc_cuda_tests" && -x "$BUILD/mhc_cuda_bench" ]] || return 1
-  [[ ",$ONLY," != *,pytest,* && ",$ONLY," != *,bench_jax,* ]] || [[ -d "$PKG/mhc" ]]
+  [[ ",$ONLY," != *,pytest,* && ",$ONLY," != *,bench_jax,* && ",$ONLY," != *,torch,* ]] || [[ -d "$PKG/mhc" ]]
 }
 
 if [[ -z "$ONLY" ]]; then
@@ -532,10 +556,11 @@ try:
 except OSError:
     pass
 cpp, tc, jx = load("cuda_bench.json"), load("cuda_bench_tc.json"), load("jax_bench.json")
+torch_check = load("torch_check.json")
 results = {"only": only, "total_s": total, "passed": all(s["verdict"] == "ok" for s in stages),
            "stages": stages, "toolchain": toolchain, "tests": load("tests_counts.json"),
            "pytest": load("pytest_counts.json"),
-           "cuda_bench": cpp, "cuda_bench_tensor_cores": tc, "jax_bench": jx}
+           "cuda_bench": cpp, "cuda_bench_tensor_cores": tc, "jax_bench": jx, "torch_check": torch_check}
 with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(results, f, indent=1)
 if results["tests"]:
@@ -555,6 +580,11 @@ if jx:
     print(f"{'op':<17} {'T':>6} {'D':>5} {'kernel ms':>10} {'plain ms':>9} {'speedup':>8}")
     for r in jx["rows"]:
         print(f"{r['op']:<17} {r['tokens']:>6} {r['dim']:>5} {r['kernel_ms']:>10.3f} {r['plain_ms']:>9.3f} {r['speedup']:>7.2f}x")
+if torch_check:
+    print(f"\nmhc.torch on {torch_check.get('device_name', torch_check['device'])} (torch {torch_check['torch']}):")
+    for c in torch_check["checks"]:
+        detail = f"relative error {c['worst_relative_error']:.1e}" if "worst_relative_error" in c else c.get("error", "")
+        print(f"{'ok  ' if c['ok'] else 'FAIL'} {c['check']} {c['dtype']}: {detail}")
 PYEOF
 else
   echo '{"error": "no python3 to write the results"}' >"$OUT/results.json"

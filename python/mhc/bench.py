@@ -19,6 +19,8 @@ this order), and the table shows both kernel and plain times side by side; ``def
     python -m mhc.bench                          # the decode table, then the roofline table
     python -m mhc.bench --table roofline         # T in {2048, 8192}, n = 4, D in {1024, 4096}, f32 and bf16
     python -m mhc.bench --table decode           # T in {1, 8, 64}, D in {4096, 7168}: latency in us
+    python -m mhc.bench --table torch            # mhc.torch against transformers' module, plain torch
+                                                 # and torch.compile; T in {1, 8, 8192}, D = 4096
     python -m mhc.bench --ops v41_pre_fwd v41_pre_fwd_bwd boundary_fwd boundary_fwd_bwd \
         v41_boundary_fwd v41_boundary_fwd_bwd collapse_fwd collapse_fwd_bwd   # V4.1 against V4
     python -m mhc.bench --tokens 1 --dims 64     # the small-shape case
@@ -32,6 +34,11 @@ this order), and the table shows both kernel and plain times side by side; ``def
 ``python -m mhc.tpu.compile_report --estimate`` (the remaining arguments are that module's, e.g. ``--chips v6e
 --mix permutations``), which compiles each mhc.tpu kernel for v5e and v6e and prices its compiled
 schedule against the HBM floor (docs/tpu.md, "Speed by the compiled schedule").
+
+``--table torch`` (mhc._bench_torch, the only code here that imports torch; it needs no jax):
+mhc.torch's kernel path against Hugging Face transformers' eager ``DeepseekV4HyperConnection`` and
+against the same math in plain torch, eager and ``torch.compile``d, the paths timed in turns, with
+the kernel's roofline fraction, and the per-call overhead of the pre at decode in microseconds.
 """
 
 from __future__ import annotations
@@ -83,6 +90,14 @@ DECODE_OPS = (*OPS[:4], "boundary_fwd", "v41_pre_fwd", "v41_boundary_fwd", "coll
 DECODE_TOKENS = (1, 8, 64)
 DECODE_DIMS = (4096, 7168)
 ALLOCATORS = ("both", "default", "tuned")
+# The torch table (mhc._bench_torch): the pre alone (transformers' DeepseekV4HyperConnection) and
+# a sublayer, forward and forward+backward; the paths; forward+backward rows only at training token
+# counts (decode is inference).
+TORCH_OPS = ("pre_fwd", "pre_fwd_bwd", "sublayer_fwd", "sublayer_fwd_bwd")
+TORCH_PATHS = ("kernel", "hf", "plain", "compiled")
+TORCH_TOKENS = (1, 8, 8192)
+TORCH_DIMS = (4096,)
+TORCH_BACKWARD_MIN_TOKENS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,7 +450,7 @@ def _measure_memory(s: Shape, use_kernel: bool, tuned: bool) -> dict:
 def machine_info(threads: int) -> dict:
     import jax
 
-    from mhc import _ffi, _mhc_cpu
+    from mhc import _ffi
 
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     device = jax.devices()[0]
@@ -449,6 +464,14 @@ def machine_info(threads: int) -> dict:
             "fma_peak_gflops": None,
             "date": date,
         }
+    return cpu_machine_info(threads)
+
+
+def cpu_machine_info(threads: int) -> dict:
+    """The host CPU and its two ceilings (copy bandwidth, FMA peak), measured by the C++
+    extension; imports no jax (the torch table uses it too)."""
+    from mhc import _mhc_cpu
+
     model = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -466,7 +489,7 @@ def machine_info(threads: int) -> dict:
         "simd": simd,
         "copy_gbs": _mhc_cpu.copy_bandwidth_gbs(256 << 20, threads),
         "fma_peak_gflops": _mhc_cpu.fma_peak_gflops(threads),
-        "date": date,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
 
 
@@ -731,14 +754,41 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--table",
         default="both",
-        choices=["decode", "roofline", "both"],
+        choices=["decode", "roofline", "both", "torch"],
         help="decode: T in {1, 8, 64}, D in {4096, 7168}, the four operations, the boundaries, V4.1's pre and "
-        "collapse (forward); roofline: --tokens x --dims",
+        "collapse (forward); roofline: --tokens x --dims; both: decode then roofline; torch: mhc.torch against "
+        "transformers' module and plain torch, eager and compiled (--torch-tokens x --torch-dims)",
     )
     parser.add_argument(
         "--decode-tokens", type=int, nargs="+", default=list(DECODE_TOKENS), help="T of the decode table"
     )
     parser.add_argument("--decode-dims", type=int, nargs="+", default=list(DECODE_DIMS), help="D of the decode table")
+    parser.add_argument("--torch-tokens", type=int, nargs="+", default=list(TORCH_TOKENS), help="T of the torch table")
+    parser.add_argument("--torch-dims", type=int, nargs="+", default=list(TORCH_DIMS), help="D of the torch table")
+    parser.add_argument(
+        "--torch-ops",
+        nargs="+",
+        default=list(TORCH_OPS),
+        choices=TORCH_OPS,
+        help=f"the torch table's ops (the _fwd_bwd ones at T >= {TORCH_BACKWARD_MIN_TOKENS} only)",
+    )
+    parser.add_argument(
+        "--torch-paths",
+        nargs="+",
+        default=list(TORCH_PATHS),
+        choices=TORCH_PATHS,
+        help="the torch table's paths (kernel is always timed, first)",
+    )
+    parser.add_argument(
+        "--torch-decode-repeats",
+        type=int,
+        default=50,
+        help=f"the torch table's rounds at T < {TORCH_BACKWARD_MIN_TOKENS} (at least --repeats; short calls, noisy "
+        "medians), and a quarter of the decode overhead's calls",
+    )
+    parser.add_argument(
+        "--torch-compile-backend", default="inductor", help="torch.compile's backend for the compiled path"
+    )
     parser.add_argument("--batch-axis", action="store_true", help="the sublayer ops take x [1, T, n, D]")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="T values")
     parser.add_argument("--streams", type=int, default=4, help="n")
@@ -771,9 +821,11 @@ def main(argv=None) -> int:
         shape, use_kernel, tuned = json.loads(args._probe)
         print(json.dumps(_memory_probe(Shape(**shape), use_kernel, tuned)))
         return 0
-    for name in ("tokens", "dims", "decode_tokens", "decode_dims"):
+    for name in ("tokens", "dims", "decode_tokens", "decode_dims", "torch_tokens", "torch_dims"):
         if any(v < 1 for v in getattr(args, name)):
             parser.error(f"--{name.replace('_', '-')}: expected positive values, got {getattr(args, name)}")
+    if args.torch_decode_repeats < 1:
+        parser.error(f"--torch-decode-repeats: expected >= 1, got {args.torch_decode_repeats}")
     if args.repeats < 1:
         parser.error(f"--repeats: expected >= 1, got {args.repeats}")
     if not 0 <= args.touch_memory < 1024:
@@ -809,6 +861,25 @@ def main(argv=None) -> int:
         if "decode" in output:
             print()
         print(format_table(output["roofline"]))
+    if args.table == "torch":
+        from mhc import _bench_torch  # imports torch: only for this table
+
+        shapes = [
+            Shape(t, args.streams, d, dtype, "sinkhorn")
+            for dtype in args.dtypes
+            for d in args.torch_dims
+            for t in args.torch_tokens
+        ]
+        paths = ["kernel", *(p for p in args.torch_paths if p != "kernel")]
+        output["torch"] = _bench_torch.run(
+            shapes,
+            args.torch_ops,
+            args.repeats,
+            paths,
+            compile_backend=args.torch_compile_backend,
+            decode_repeats=args.torch_decode_repeats,
+        )
+        print(_bench_torch.format_table(output["torch"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(output["roofline"] if args.table == "roofline" else output, f, indent=2)

@@ -239,8 +239,15 @@ def test_decode_table_reports_microseconds_against_the_floor(tmp_path, capsys, t
 
 @pytest.mark.parametrize(
     "argv",
-    [["--tokens", "0"], ["--repeats", "0"], ["--dtypes", "f16"], ["--decode-dims", "0"], ["--table", "x"]]
-    + [["--allocator", "glibc"], ["--touch-memory", "-1"]],
+    [
+        ["--tokens", "0"],
+        ["--repeats", "0"],
+        ["--dtypes", "f16"],
+        ["--decode-dims", "0"],
+        ["--table", "x"],
+        ["--torch-tokens", "0"],
+    ]
+    + [["--allocator", "glibc"], ["--touch-memory", "-1"], ["--torch-decode-repeats", "0"]],
 )
 def test_bad_flags_are_rejected(argv):
     with pytest.raises(SystemExit):
@@ -254,3 +261,70 @@ def test_touch_memory_writes_and_frees():
     assert bench.touch_memory(0.25) > 0
     # Every page written: at least 0.25 GiB of 4 KiB pages faulted in (fewer with huge pages).
     assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before >= (1 << 28) // (2 << 20)
+
+
+def _torch_outputs(results):
+    """A path's outputs as a flat list of f64 tensors (transformers' fn gradient is phi's
+    transposed: put back into phi's layout)."""
+    return [value.detach().double() for value in results]
+
+
+@pytest.mark.parametrize("op", bench.TORCH_OPS)
+def test_torch_table_paths_compute_the_same(op):
+    """The torch table compares like with like: transformers' module, the plain and the compiled
+    path give the kernel's outputs and gradients (f32, to rounding) on the bench's own inputs."""
+    torch = pytest.importorskip("torch")
+    from mhc import _bench_torch
+
+    case, missing = _bench_torch.make_case(bench.Shape(tokens=5, n=4, dim=16, dtype="f32", mix="sinkhorn"))
+    assert missing is None, missing
+    functions = _bench_torch.functions(case, op, bench.TORCH_PATHS, compile_backend="eager")
+    results = {path: list(function()) for path, function in functions.items()}
+    if op.endswith("_bwd"):  # transformers' fn is phi transposed: its gradient too
+        results["hf"][1] = results["hf"][1].t()
+    want = results["kernel"]
+    assert len(want) == (1 if op == "sublayer_fwd" else 3 if op == "pre_fwd" else 4), len(want)
+    for path in ("hf", "plain", "compiled"):
+        assert len(results[path]) == len(want), path
+        for index, (got, expected) in enumerate(zip(results[path], want, strict=True)):
+            assert got.shape == expected.shape, (path, index, got.shape, expected.shape)
+            torch.testing.assert_close(got, expected, rtol=2e-4, atol=2e-5, msg=f"{op} {path} output {index}")
+
+
+def test_torch_table_prints_and_writes_json(tmp_path, capsys):
+    """--table torch end to end on tiny shapes: every path's column, the forward+backward rows only
+    at T >= TORCH_BACKWARD_MIN_TOKENS, the decode overhead at T = 1, the JSON rows."""
+    pytest.importorskip("torch")
+    path = tmp_path / "bench.json"
+    argv = ["--table", "torch", "--torch-tokens", "1", "64", "--torch-dims", "8", "--dtypes", "f32"]
+    argv += ["--torch-ops", "pre_fwd", "sublayer_fwd_bwd", "--repeats", "1", "--torch-decode-repeats", "2"]
+    argv += ["--torch-compile-backend", "eager", "--json", str(path)]
+    assert bench.main(argv) == 0
+    table = capsys.readouterr().out
+    for column in ("kernel ms", "hf ms", "plain ms", "compiled ms", "hf/k", "roofline", "Per-call overhead"):
+        assert column in table, column
+    result = json.loads(path.read_text())["torch"]
+    assert [(r["tokens"], r["op"]) for r in result["rows"]] == [
+        (1, "pre_fwd"),
+        (64, "pre_fwd"),
+        (64, "sublayer_fwd_bwd"),
+    ]
+    for row in result["rows"]:
+        assert row["repeats"] == (1 if row["tokens"] >= bench.TORCH_BACKWARD_MIN_TOKENS else 2), row
+        for name in ("kernel_ms", "hf_ms", "plain_ms", "compiled_ms", "hf_over_kernel", "compile_s"):
+            assert row[name] > 0, (name, row)
+        assert row["minimum_bytes"] > 0 and row["roofline_fraction"] > 0, row
+    (overhead,) = result["overhead"]
+    assert overhead["tokens"] == 1 and all(overhead[f"{k}_us"] > 0 for k in ("run", "op", "pre", "pre_autograd", "hf"))
+    assert result["machine"]["torch_threads"] >= 1 and result["machine"]["compile_backend"] == "eager"
+
+
+def test_bench_imports_without_torch():
+    """torch is imported by the torch table alone: mhc.bench imports (and its other tables run)
+    where torch is not installed."""
+    import subprocess
+    import sys
+
+    code = "import sys, mhc.bench; assert 'torch' not in sys.modules, 'mhc.bench imported torch'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
