@@ -136,6 +136,15 @@ def _split_program(config, tensor_axis, x, carried, params):
     return (out, ctx.h_pre[None]) if v41 else (out,)
 
 
+def _chain_program(config, tensor_axis, x, carried, layers):
+    """Two sublayers of a chain (the fused boundary between them: on a D split, post then the
+    pre's split forms), then the pending post."""
+    state = mj.Streams(x, carried) if config.pre_from_previous else x
+    for params in layers:
+        state = mj.sublayer(state, params, config, jnp.tanh, tensor_axis=tensor_axis)
+    return (mj.finish(state),)
+
+
 def _values_and_vjp(run, inputs, cotangents):
     outputs, vjp = jax.vjp(run, *inputs)
     return outputs, vjp(cotangents)
@@ -146,7 +155,7 @@ def check_d_split(seed):
     partials, the psum, finish), under plain jax.jit (x sharded over D; the partitioning rules
     pick the split) and inside jax.shard_map with tensor_axis: V4's and V4.1's pre -> post, the
     values and the VJP (dx, dcarried, every parameter), each within the spec's f32 bound of one
-    device's TPU path."""
+    device's TPU path. Over 2 devices also a chain of two sublayers (_chain_program)."""
     keys = jax.random.split(jax.random.key(seed + 1), 6)
     x = jax.random.normal(keys[0], SPLIT_SHAPE)
     carried = jax.random.uniform(keys[1], SPLIT_SHAPE[:-2] + SPLIT_SHAPE[2:3], minval=0.5, maxval=1.5)
@@ -196,6 +205,29 @@ def check_d_split(seed):
                 name = f"{label} shard_map tensor_axis, D over {devices}"
                 _compare_to_one_device(name, (outputs, grads), want, seed)
                 print(f"ok: {name}")
+            _check_chain(config, keys[5], x, carried, dout, seed)
+
+
+def _check_chain(config, key, x, carried, dout, seed):
+    layers = [random_params(k, config, SPLIT_SHAPE[-1]) for k in jax.random.split(key, 2)]
+    run = functools.partial(_chain_program, config, None)
+    want = jax.jit(functools.partial(_values_and_vjp, run))((x, carried, layers), (dout,))
+    label = "V4.1" if config.pre_from_previous else "V4"
+    mesh = Mesh(jax.devices()[:2], ("tensor",))
+    d_spec = P(None, None, None, "tensor")
+    inputs = (
+        jax.device_put(x, NamedSharding(mesh, d_spec)),
+        *jax.device_put((carried, layers), NamedSharding(mesh, P())),
+    )
+    got = jax.jit(functools.partial(_values_and_vjp, run))(inputs, (dout,))
+    _compare_to_one_device(f"{label} chain jit, D over 2", got, want, seed)
+    print(f"ok: {label} chain of two sublayers, D split over 2 devices under jit")
+    sharded = jax.shard_map(
+        functools.partial(_chain_program, config, "tensor"), mesh=mesh, in_specs=(d_spec, P(), P()), out_specs=(d_spec,)
+    )
+    got = jax.jit(functools.partial(_values_and_vjp, sharded))(inputs, (dout,))
+    _compare_to_one_device(f"{label} chain shard_map, D over 2", got, want, seed)
+    print(f"ok: {label} chain of two sublayers, shard_map tensor_axis, D over 2")
 
 
 def _compare_to_one_device(name, got, want, seed):

@@ -248,6 +248,7 @@ def backward_tile(
     operation: str,
     capacity: int | None = None,
     carried: bool = False,
+    partials: bool = False,
 ) -> int:
     """The token tile of the pre (or head) backward for x [T, n, d] of dtype on a chip with
     `capacity` bytes of VMEM (default: the chip traced for, _layout.chip_vmem), from the VMEM
@@ -256,7 +257,8 @@ def backward_tile(
     after), the Sinkhorn steps, the column pack and the logit-sized temporaries; fixed: the weight
     (rows, n Dp) single-buffered and the gradient accumulator of its shape, double-buffered.
     `carried`: V4.1's (pre_backward_carried): dH_pre's group of dh, the carried mix and dcarried
-    (G f32 rows each, double-buffered) more."""
+    (G f32 rows each, double-buffered) more. `partials`: the split form's finish, whose partials
+    block (rows + 8 f32 rows, double-buffered) replaces the recompute."""
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     size = jnp.dtype(dtype).itemsize
@@ -268,6 +270,7 @@ def backward_tile(
     pack = _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES)
     per_token += 4 * (pack + 8 * rows + 2 * (1 + n) * g)
     per_token += 4 * 2 * 3 * g if carried else 0
+    per_token += 4 * 2 * (rows + _layout.SUBLANES) if partials else 0
     fixed = 3 * rows * n * padded * 4
     budget = _layout.vmem_budget(capacity or _layout.chip_vmem())
     smallest = _layout.TOKEN_TILES[-1]
@@ -602,7 +605,14 @@ def _backward(
     if tile is None:
         operation = "pre_backward" if own_gates else "pre_backward_carried"
         tile = backward_tile(
-            config, d, x.dtype, rows=rows, gates_only=False, operation=operation, carried=dh_pre is not None
+            config,
+            d,
+            x.dtype,
+            rows=rows,
+            gates_only=False,
+            operation=operation,
+            carried=dh_pre is not None,
+            partials=partials is not None,
         )
     padded = _layout.padded_features(d)
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
