@@ -170,3 +170,49 @@ def test_split_forms_match_reference(seed, case):
     assert_outputs_match(names, got, want[: len(names)], dtypes, perturbed, seed, tolerances)
     if dcarried is not None:
         assert_outputs_match(("dcarried",), (dcarried,), want[-1:], (np.float32,), lambda r, i: perturbed(r, -1), seed)
+
+
+def test_bad_arguments_are_named():
+    config = mj.Config(n=4)
+    t, n, d = 5, 4, 8
+    params = random_numpy_params(np.random.default_rng(0), config, d)
+    x = jnp.zeros((t, n, d))
+    partials = jnp.zeros((t, config.projection_width + 1))
+    gates = jnp.zeros((t, n))
+    cotangents = (jnp.zeros((t, d)), jnp.zeros((t, n, d)), gates, gates, jnp.zeros((t, n, n)), x, partials)
+    cases = [
+        (
+            "pre_forward_partials: phi",
+            lambda: mhc.tpu.pre_forward_partials(config, x, params.norm_weight, params.phi[1:]),
+        ),
+        (
+            "pre_forward_partials: x",
+            lambda: mhc.tpu.pre_forward_partials(config, x[:, :3], params.norm_weight, params.phi),
+        ),
+        (
+            "pre_forward_finish: partials",
+            lambda: mhc.tpu.pre_forward_finish(config, x, gates, params.alpha, params.bias),
+        ),
+        ("pre_forward_finish: slices", lambda: mhc.tpu.pre_forward_finish(config, x, partials, *params[2:], slices=0)),
+        ("pre_forward_finish: bias", lambda: mhc.tpu.pre_forward_finish(config, x, partials, params.alpha, gates)),
+        (
+            "pre_forward_finish_carried: carried",
+            lambda: mhc.tpu.pre_forward_finish_carried(config, x, partials, gates[:, :2], *params[2:]),
+        ),
+        ("pre_backward_partials: dlayer_in", lambda: mhc.tpu.pre_backward_partials(config, x[:, 0, :3], x)),
+        (
+            "pre_backward_finish: dh_pre",
+            lambda: mhc.tpu.pre_backward_finish(config, *cotangents[:2], gates[:1], *cotangents[3:], params),
+        ),
+        (
+            "pre_backward_finish: partials",
+            lambda: mhc.tpu.pre_backward_finish(config, *cotangents[:-1], partials[:, 1:], params),
+        ),
+        (
+            "pre_backward_finish_carried: carried",
+            lambda: mhc.tpu.pre_backward_finish_carried(config, *cotangents, gates[:1], params),
+        ),
+    ]
+    for message, call in cases:
+        with pytest.raises(ValueError, match=f"mhc.tpu.{message}"):
+            call()
