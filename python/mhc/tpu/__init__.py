@@ -7,7 +7,8 @@ norm_weight [n D] and phi [n D, N]), so that a dispatch can swap them in.
 
 KERNELS is the one place that says which operations this backend has: it maps the name of the C++
 backends' FFI target to a function taking the same operands in the same order,
-``kernel(config, *operands, interpret=None)``, and returning the same results. The dispatch in
+``kernel(config, *operands, interpret=None)`` (the split forms' finishes, TAKES_SLICES, also
+``slices=``: the devices D is split over), and returning the same results. The dispatch in
 mhc.jax reads it, so a kernel added here is used on a TPU with no other change."""
 
 from mhc._config import HeadParams, Params
