@@ -565,6 +565,21 @@ MUTATIONS = (
         python_tests=(f"{TPU_TESTS}::test_pre_forward_matches_reference[3-1-37-permutations-bfloat16-custom]",),
     ),
     Mutation(
+        "tpu_split_finish_local_rms_mean",
+        "the TPU split forward's finish takes the RMS mean over its own D slice instead of the whole D",
+        (
+            Edit(
+                "python/mhc/tpu/_split.py",
+                "functools.partial(_forward_finish_kernel, config=config, features=d * slices, mode=mode)",
+                "functools.partial(_forward_finish_kernel, config=config, features=d, mode=mode)",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_split.py::test_split_forms_match_reference[4-130-37-sinkhorn-float32-default-None]",
+        ),
+    ),
+    Mutation(
         "tpu_dh_res_shifted",
         "the TPU post backward's dh_res[i, j] pairs x_i with g_(j+1 mod n) instead of g_j",
         (

@@ -6,6 +6,7 @@ The platform is only known when XLA lowers the program, so these tests lower for
 with jax.export (no TPU or GPU needed): the errors come from lowering, as they would on the machine.
 """
 
+import re
 import warnings
 
 import jax
@@ -60,8 +61,8 @@ EXPECTED_KERNELS = {
             "mhc_pre_backward_finish",
         }
     ),
-    # The TPU backend: every fused kernel, no split form.
-    "tpu": V4_KERNELS | V41_KERNELS,
+    # The TPU backend: every fused kernel and the split forms (V4's and V4.1's).
+    "tpu": V4_KERNELS | V41_KERNELS | SPLIT_KERNELS,
 }
 
 CONFIG = mj.Config(n=4)
@@ -198,21 +199,32 @@ def test_a_tpu_runs_its_kernels_inside_shard_map_with_the_tokens_split():
     assert text.count("tpu_custom_call") >= 4 and "@mhc_" not in text
 
 
-def test_a_d_split_on_a_tpu_names_what_works():
-    """The TPU has no split form (tensor parallelism): inside shard_map with tensor_axis, the mhc
-    error at lowering (plain jit with D sharded: the same error, from the partitioner; see
-    tpu_dispatch_cases.py)."""
+@pytest.mark.parametrize("carried", [False, True], ids=["V4", "V4.1"])
+def test_a_d_split_on_a_tpu_lowers_to_the_split_kernels(carried):
+    """On a TPU, D split over a mesh axis (inside shard_map with tensor_axis) runs the split forms'
+    Pallas kernels, forward and backward (their values: test_tpu_split.py, tpu_dispatch_cases.py)."""
+    config = mj.Config(n=4, pre_from_previous=carried)
     mesh = jax.sharding.AbstractMesh((2,), ("model",))
-    x, params = _problem("pre")[1]
+    x, params = _problem("pre", config)[1]
 
-    def f(x, params):
-        return mj.pre(x, params, CONFIG, tensor_axis="model")[0]
+    def loss(x, params, mix):
+        layer_in, ctx = mj.pre(x, params, config, carried=mix if carried else None, tensor_axis="model")
+        return jax.lax.psum(jnp.sum(jnp.square(layer_in)) + jnp.sum(ctx.h_post), "model")
 
     spec = jax.sharding.PartitionSpec
-    sharded = jax.shard_map(f, mesh=mesh, in_specs=(spec(None, None, "model"), spec()), out_specs=spec(None, "model"))
-    message = r"mhc\.jax\.pre: D .*split over devices.*'tpu'.*Shard only the tokens.*use_kernel=False"
-    with pytest.raises(NotImplementedError, match=message):
-        jax.export.export(jax.jit(sharded), platforms=["tpu"])(x, params)
+    sharded = jax.shard_map(loss, mesh=mesh, in_specs=(spec(None, None, "model"), spec(), spec()), out_specs=spec())
+    # The gradient of V4.1's carried mix too: its backward partials are dcarried's.
+    gradient = jax.jit(jax.grad(sharded, argnums=(0, 1, 2)))
+    text = jax.export.export(gradient, platforms=["tpu"])(x, params, jnp.ones(x.shape[:-1])).mlir_module()
+    finish = "_carried" if carried else ""
+    for kernel in (
+        "pre_forward_partials",
+        f"pre_forward_finish{finish}",
+        "pre_backward_partials",
+        f"pre_backward_finish{finish}",
+    ):
+        assert re.search(rf'kernel_name = "mhc_{kernel}_tile\d+"', text), kernel
+    assert "@mhc_" not in text
 
 
 def test_a_kernel_call_in_the_callers_cpu_branch_exports_for_several_platforms():

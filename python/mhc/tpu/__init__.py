@@ -7,7 +7,8 @@ norm_weight [n D] and phi [n D, N]), so that a dispatch can swap them in.
 
 KERNELS is the one place that says which operations this backend has: it maps the name of the C++
 backends' FFI target to a function taking the same operands in the same order,
-``kernel(config, *operands, interpret=None)``, and returning the same results. The dispatch in
+``kernel(config, *operands, interpret=None)`` (the split forms' finishes, TAKES_SLICES, also
+``slices=``: the devices D is split over), and returning the same results. The dispatch in
 mhc.jax reads it, so a kernel added here is used on a TPU with no other change."""
 
 from mhc._config import HeadParams, Params
@@ -23,6 +24,14 @@ from mhc.tpu._layout import TOKEN_TILES
 from mhc.tpu._post import post_backward, post_forward
 from mhc.tpu._pre import pre_forward, pre_forward_carried
 from mhc.tpu._pre_backward import pre_backward, pre_backward_carried
+from mhc.tpu._split import (
+    pre_backward_finish,
+    pre_backward_finish_carried,
+    pre_backward_partials,
+    pre_forward_finish,
+    pre_forward_finish_carried,
+    pre_forward_partials,
+)
 
 
 def _flat_parameters(kernel, parameters=Params):
@@ -30,8 +39,8 @@ def _flat_parameters(kernel, parameters=Params):
     parameters passed flat, their fields last (norm_weight, phi, alpha, bias; fn, base, scale)."""
     count = len(parameters._fields)
 
-    def target(config, *operands, interpret=None):
-        return kernel(config, *operands[:-count], parameters(*operands[-count:]), interpret=interpret)
+    def target(config, *operands, interpret=None, **options):
+        return kernel(config, *operands[:-count], parameters(*operands[-count:]), interpret=interpret, **options)
 
     return target
 
@@ -52,10 +61,30 @@ KERNELS = {
     "mhc_collapse_backward": collapse_backward,
     "mhc_boundary_forward_carried": _flat_parameters(boundary_forward_carried),
     "mhc_boundary_backward_carried": _flat_parameters(boundary_backward_carried),
+    # The split forms (D split over devices: spec, Tensor parallelism): partials, the caller's
+    # all-reduce, finish.
+    "mhc_pre_forward_partials": pre_forward_partials,
+    "mhc_pre_forward_finish": pre_forward_finish,
+    "mhc_pre_forward_finish_carried": pre_forward_finish_carried,
+    "mhc_pre_backward_partials": pre_backward_partials,
+    "mhc_pre_backward_finish": _flat_parameters(pre_backward_finish),
+    "mhc_pre_backward_finish_carried": _flat_parameters(pre_backward_finish_carried),
 }
+
+TAKES_SLICES = frozenset(
+    {
+        "mhc_pre_forward_finish",
+        "mhc_pre_forward_finish_carried",
+        "mhc_pre_backward_finish",
+        "mhc_pre_backward_finish_carried",
+    }
+)
+"""The KERNELS that take ``slices=`` (the devices D is split over: the RMS mean is over the whole
+n D), which the dispatch passes them."""
 
 __all__ = [
     "KERNELS",
+    "TAKES_SLICES",
     "TOKEN_TILES",
     "boundary_backward",
     "boundary_backward_carried",
@@ -69,6 +98,12 @@ __all__ = [
     "post_forward",
     "pre_backward",
     "pre_backward_carried",
+    "pre_backward_finish",
+    "pre_backward_finish_carried",
+    "pre_backward_partials",
     "pre_forward",
     "pre_forward_carried",
+    "pre_forward_finish",
+    "pre_forward_finish_carried",
+    "pre_forward_partials",
 ]

@@ -152,6 +152,18 @@ def _lane_folded_squares(values):
 
 def streamed_projection(x_ref, projection_ref, *, n: int, features: int, rms_eps: float):
     """(P (rows, tile), r (1, tile)) for the token tile x_ref [tile, n, Dp] (spec: Forward steps
+    1-2): streamed_sums, then the RMS factor over the true n D = n `features`."""
+    logits, squares = streamed_sums(x_ref, projection_ref, n=n)
+    return logits, inverse_rms(squares, n * features, rms_eps)
+
+
+def inverse_rms(squares, elements: int, rms_eps: float):
+    """r (1, tile) from the sum of squares (1, tile) over `elements` = n D values per token."""
+    return jax.lax.rsqrt(squares / elements + rms_eps)
+
+
+def streamed_sums(x_ref, projection_ref, *, n: int):
+    """(P (rows, tile), sum of squares (1, tile)) for the token tile x_ref [tile, n, Dp] (spec: Forward steps
     1-2) from the stacked projection operand (stacked_weight_terms: the weight [Dp, n N], the
     columns of stream k at k N, as three bf16 terms per chunk, then the selection). A loop over
     chunks of Dp (and, in the rows view, groups of _PROJECTION_TOKENS tokens) streams x through
@@ -218,7 +230,7 @@ def streamed_projection(x_ref, projection_ref, *, n: int, features: int, rms_eps
         logits = jax.lax.dot_general(selection, own, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
         ones = jnp.ones((_layout.SUBLANES, _layout.LANES), _F32)
         sums = jax.lax.dot_general(ones, squares, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
-        return logits, jax.lax.rsqrt(sums[0:1] / (n * features) + rms_eps)
+        return logits, sums[0:1]
 
     return pl.run_scoped(accumulate, pltpu.VMEM(product_shape, _F32), pltpu.VMEM(square_shape, _F32))
 
@@ -346,11 +358,20 @@ def pre_body(x_ref, parameter_refs, layer_in_ref, coefficients_ref, *, config, f
     scale and bias refs, then the permutation table's (none for Sinkhorn). carried_ref: OWN_GATES
     (V4: the pre-apply mixes with this tile's h_pre), or V4.1's carried mix (spec: Single-pass
     schedule) as a (G, tile) ref with the tokens in the lanes, or None for its one-hot on stream 0."""
-    weight_ref, scale_ref, bias_ref, table_ref = (*parameter_refs, None)[:4]
+    weight_ref, *finish_refs = parameter_refs
+    # Steps 1-2.
+    logits, r = streamed_projection(x_ref, weight_ref, n=config.n, features=features, rms_eps=config.rms_eps)
+    finish_body(logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, config=config, carried_ref=carried_ref)
+
+
+def finish_body(logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, *, config, carried_ref=OWN_GATES):
+    """Spec: Forward steps 3-6 for one token tile from its projection P (rows, tile) and RMS factor
+    r (1, tile): pre_body after the projection, and the split form's finish (pre_forward_finish,
+    where P and the sum of squares behind r are the all-reduced partials). finish_refs: the scale
+    and bias refs, then the permutation table's (none for Sinkhorn); the rest as pre_body."""
+    scale_ref, bias_ref, table_ref = (*finish_refs, None)[:3]
     n, g = config.n, _layout.group_rows(config.n)
     tile = x_ref.shape[0]
-    # Steps 1-2.
-    logits, r = streamed_projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
     # Steps 2-3: Z = r P, a = alpha Z + bias (per row: its group's alpha).
     a = scale_ref[...] * (r * logits) + bias_ref[...]
     # Step 4.
@@ -388,14 +409,20 @@ def _transposed_weight(config: Config, params: Params, features: int, padded: in
     folded = (params.norm_weight[:, None] * params.phi).reshape(n, features, width)
     folded = jnp.pad(folded, ((0, 0), (0, padded - features), (0, 0))).reshape(n * padded, width)
     rows = _layout.logit_rows(n, config.mix)
+    weight = jnp.zeros((rows, n * padded), _F32).at[_destinations(config)].set(folded.T)
+    return (weight, *scale_bias_columns(config, params.alpha, params.bias))
+
+
+def scale_bias_columns(config: Config, alpha, bias):
+    """The per-row alpha and bias columns [rows, 1] of the group-aligned logits (_destinations)."""
+    n, width = config.n, config.projection_width
+    rows = _layout.logit_rows(n, config.mix)
     destination = _destinations(config)
-    weight = jnp.zeros((rows, n * padded), _F32).at[destination].set(folded.T)
     group_alpha = jnp.concatenate(
-        [jnp.full((n,), params.alpha[0]), jnp.full((n,), params.alpha[1]), jnp.full((width - 2 * n,), params.alpha[2])]
+        [jnp.full((n,), alpha[0]), jnp.full((n,), alpha[1]), jnp.full((width - 2 * n,), alpha[2])]
     )
     scale = jnp.zeros((rows, 1), _F32).at[destination, 0].set(group_alpha)
-    bias = jnp.zeros((rows, 1), _F32).at[destination, 0].set(params.bias)
-    return weight, scale, bias
+    return scale, jnp.zeros((rows, 1), _F32).at[destination, 0].set(bias)
 
 
 def _destinations(config: Config) -> np.ndarray:
@@ -623,3 +650,19 @@ def run(config: Config, x, params: Params, carried, *, tile: int | None, interpr
         interpret=interpret if interpret is not None else False,
     )(*operands, *parameters)
     return (layer_in[:, :d], *split_coefficients(config, coefficients, t))
+
+
+def partials_lanes(config: Config, partials, tile: int):
+    """The split form's partials [T, N + 1] f32 (projection column c, then the sum of squares) as
+    [token tiles, rows + 8, tile]: column c on its group-aligned logit row (_destinations), the sum
+    of squares on row `rows` (rows = _layout.logit_rows), the tokens in the lanes."""
+    rows = _layout.logit_rows(config.n, config.mix)
+    row_of_column = [*_destinations(config), rows]
+    return _layout.tokens_in_lanes(partials, row_of_column, rows + _layout.SUBLANES, tile)
+
+
+def partials_from_lanes(config: Config, packed, t: int):
+    """partials_lanes' inverse: [token tiles, rows + 8, tile] -> [T, N + 1]."""
+    rows = _layout.logit_rows(config.n, config.mix)
+    flat = jnp.transpose(packed, (0, 2, 1)).reshape(-1, packed.shape[1])[:t]
+    return flat[:, np.asarray([*_destinations(config), rows])]

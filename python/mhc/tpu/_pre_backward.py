@@ -120,6 +120,8 @@ def backward_body(
     split: _layout.CoreSplit,
     carried_ref=_pre.OWN_GATES,
     dcarried_ref=None,
+    given_dh_pre: bool | None = None,
+    partials_ref=None,
 ):
     """One grid step (token tile i, feature chunk c: split.position()) of the pre backward, for the
     pre kernel, the head (gates only: dx_partial_ref, dh_ref, table_t_ref and steps_ref None,
@@ -141,10 +143,18 @@ def backward_body(
     in the lanes), or None for the one-hot on stream 0, instead of OWN_GATES. Then dh_ref has a
     group more in front, dH_pre (an input: the next sublayer's dcarried), dx's pre-apply term
     takes the carried mix for H_pre, and sum_d x_k dli (V4's dH_pre) goes to dcarried_ref (G, tile)
-    if given."""
+    if given.
+
+    The split form's finish (pre_backward_finish, D split over devices: spec, Tensor parallelism):
+    partials_ref (rows + 8, tile) holds the all-reduced projection P (the logit rows) and, at row
+    `rows`, the sum of squares, which replace the recompute from this device's slice of x;
+    `features` is then the whole D (the mean of the RMS statistic), and given_dh_pre (default:
+    V4.1's) says that dh_ref's first group is the all-reduced dH_pre, for V4 too."""
     n, g = config.n, _layout.group_rows(config.n)
     gates_only = dh_ref is None
     own_gates = carried_ref is _pre.OWN_GATES
+    if given_dh_pre is None:
+        given_dh_pre = not own_gates
     tile, padded, chunk = x_ref.shape[0], x_ref.shape[2], dx_ref.shape[2]
     rows = weight_ref.shape[0]
     i, c, first_step = split.position()
@@ -158,19 +168,23 @@ def backward_body(
 
     @pl.when(c == 0)
     def _coefficient_step():
-        logits, r = _pre.projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
+        if partials_ref is None:
+            logits, r = _pre.projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
+        else:
+            logits = partials_ref[0:rows, :]
+            r = _pre.inverse_rms(partials_ref[rows : rows + 1, :], n * features, config.rms_eps)
         z = r * logits
         scale = scale_ref[...]
         a = scale * z + bias_ref[...]
         sublane = jax.lax.broadcasted_iota(jnp.int32, (g, tile), 0)
         dh = None if gates_only else dh_ref[...]
-        if not own_gates:
-            # V4.1: dH_pre is given, the first group of dh.
+        if given_dh_pre:
+            # V4.1 (or a split form's finish): dH_pre is given, the first group of dh.
             dh_pre, dh = dh[0:g], dh[g:]
-        if own_gates or dcarried_ref is not None:
+        if not given_dh_pre or dcarried_ref is not None:
             # sum_d x_k dli: V4's dH_pre, V4.1's dcarried.
             mixed = _pre.stream_dots(x_ref, dli_ref[...].astype(_F32), n)
-            if own_gates:
+            if not given_dh_pre:
                 dh_pre = mixed
             else:
                 dcarried_ref[...] = mixed
@@ -234,6 +248,7 @@ def backward_tile(
     operation: str,
     capacity: int | None = None,
     carried: bool = False,
+    partials: bool = False,
 ) -> int:
     """The token tile of the pre (or head) backward for x [T, n, d] of dtype on a chip with
     `capacity` bytes of VMEM (default: the chip traced for, _layout.chip_vmem), from the VMEM
@@ -242,7 +257,8 @@ def backward_tile(
     after), the Sinkhorn steps, the column pack and the logit-sized temporaries; fixed: the weight
     (rows, n Dp) single-buffered and the gradient accumulator of its shape, double-buffered.
     `carried`: V4.1's (pre_backward_carried): dH_pre's group of dh, the carried mix and dcarried
-    (G f32 rows each, double-buffered) more."""
+    (G f32 rows each, double-buffered) more. `partials`: the split form's finish, whose partials
+    block (rows + 8 f32 rows, double-buffered) replaces the recompute."""
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
     size = jnp.dtype(dtype).itemsize
@@ -254,6 +270,7 @@ def backward_tile(
     pack = _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES)
     per_token += 4 * (pack + 8 * rows + 2 * (1 + n) * g)
     per_token += 4 * 2 * 3 * g if carried else 0
+    per_token += 4 * 2 * (rows + _layout.SUBLANES) if partials else 0
     fixed = 3 * rows * n * padded * 4
     budget = _layout.vmem_budget(capacity or _layout.chip_vmem())
     smallest = _layout.TOKEN_TILES[-1]
@@ -314,6 +331,8 @@ def run(
     interpret,
     carried=_pre.OWN_GATES,
     cores: int | None = None,
+    partials=None,
+    slices: int = 1,
 ):
     """The pallas_call for x [T, n, D] (T > 0), shared by the pre, V4.1's carried pre and head
     backwards: returns dx [T, n, D], dcarried [T, n] (None but for a carried mix) and the
@@ -322,7 +341,9 @@ def run(
     traced device's). dx_partial and dh None for the head; dh [token tiles, (1 + n) G, tile]
     (_layout.tokens_in_lanes), with dH_pre's group in front ((2 + n) G rows) for V4.1; table_t
     None but for permutations. carried: OWN_GATES (V4), None (V4.1's one-hot on stream 0) or the
-    carried mix [token tiles, G, tile]."""
+    carried mix [token tiles, G, tile]. The split form's finish (pre_backward_finish): partials
+    [token tiles, rows + 8, tile] (tokens in the lanes) and `slices`, the devices D is split
+    over; dh then has dH_pre's group in front for V4 too, and no dcarried comes out."""
     t, n, d = x.shape
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
@@ -333,6 +354,9 @@ def run(
     operation = (
         "head_backward" if gates_only else ("pre_backward" if carried is _pre.OWN_GATES else "pre_backward_carried")
     )
+    finish = partials is not None
+    if finish:
+        operation = "pre_backward_finish" + ("" if carried is _pre.OWN_GATES else "_carried")
     split = _layout.CoreSplit.plan(operation, t, tile, padded // chunk, cores)
     whole = lambda *step: (0, 0)  # noqa: E731
     # The parameters' blocks never change: fetched once, single-buffered.
@@ -358,6 +382,12 @@ def run(
     if with_carried:
         operands.append(carried)
         in_specs.append(per_tile)
+    if finish:
+        operands.append(partials)
+        in_specs.append(
+            pl.BlockSpec((None, rows + _layout.SUBLANES, tile), lambda *step: (split.tile_block(*step), 0, 0))
+        )
+    with_dcarried = with_carried and not finish
     scratch = []
     sinkhorn = not gates_only and config.mix == "sinkhorn"
     if sinkhorn:
@@ -372,9 +402,10 @@ def run(
         refs = refs[4:]
         table_t_ref = refs.pop(0) if table_t is not None else None
         carried_ref = refs.pop(0) if with_carried else carried
+        partials_ref = refs.pop(0) if finish else None
         dx_ref, gram_ref, dbias_ref, dalpha_ref = refs[:4]
         refs = refs[4:]
-        dcarried_ref = refs.pop(0) if with_carried else None
+        dcarried_ref = refs.pop(0) if with_dcarried else None
         steps_ref = refs.pop(0) if sinkhorn else None
         (columns_ref,) = refs
         split.when_holding_a_tile(
@@ -394,11 +425,13 @@ def run(
                 steps_ref,
                 columns_ref,
                 config=config,
-                features=d,
+                features=d * slices,
                 tokens=t,
                 split=split,
                 carried_ref=carried_ref,
                 dcarried_ref=dcarried_ref,
+                given_dh_pre=True if finish else None,
+                partials_ref=partials_ref,
             )
         )
 
@@ -417,7 +450,7 @@ def run(
     )
     out_specs = [streams, *accumulator_specs(split, weight.shape, rows)]
     out_shape = [jax.ShapeDtypeStruct((t, n, padded), x.dtype), *accumulator_shapes(split, weight.shape, rows)]
-    if with_carried:
+    if with_dcarried:
         out_specs.append(per_tile)
         out_shape.append(jax.ShapeDtypeStruct(carried.shape, _F32))
     dx, gram, dbias, dalpha, *dcarried = pl.pallas_call(
@@ -435,7 +468,7 @@ def run(
         interpret=interpret if interpret is not None else False,
     )(*operands)
     # dcarried: [token tiles, G, tile] -> [T, n].
-    dcarried = _layout.tokens_from_lanes(dcarried[0], t, n) if with_carried else None
+    dcarried = _layout.tokens_from_lanes(dcarried[0], t, n) if with_dcarried else None
     gram, dbias, dalpha = (_layout.sum_over_cores(partials) for partials in (gram, dbias, dalpha))
     return dx[:, :, :d], dcarried, gram, dbias[:, 0], dalpha[:, 0]
 
@@ -544,10 +577,25 @@ def coefficient_cotangents(config: Config, dh_pre, dh_post, dh_res, tile: int):
 
 
 def _backward(
-    config: Config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, carried, params, tile, interpret, cores
+    config: Config,
+    dlayer_in,
+    dx_partial,
+    dh_pre,
+    dh_post,
+    dh_res,
+    x,
+    carried,
+    params,
+    tile,
+    interpret,
+    cores,
+    partials=None,
+    slices: int = 1,
 ):
     """The pre backward for checked operands: (dx, dcarried or None, *parameter grads). carried:
-    OWN_GATES (V4: dh_pre None, computed in the kernel), None (V4.1's one-hot) or [T, n] f32."""
+    OWN_GATES (V4: dh_pre None, computed in the kernel), None (V4.1's one-hot) or [T, n] f32.
+    partials: None, or the split form's finish (the all-reduced partials [T, N + 1] and dh_pre
+    given, D split over `slices` devices; no dcarried)."""
     t, n, d = x.shape
     if t == 0:
         dcarried = None if carried is _pre.OWN_GATES or carried is None else jnp.zeros((0, n), _F32)
@@ -557,14 +605,23 @@ def _backward(
     if tile is None:
         operation = "pre_backward" if own_gates else "pre_backward_carried"
         tile = backward_tile(
-            config, d, x.dtype, rows=rows, gates_only=False, operation=operation, carried=not own_gates
+            config,
+            d,
+            x.dtype,
+            rows=rows,
+            gates_only=False,
+            operation=operation,
+            carried=dh_pre is not None,
+            partials=partials is not None,
         )
     padded = _layout.padded_features(d)
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
-    dh = coefficient_cotangents(config, None if own_gates else dh_pre, dh_post, dh_res, tile)
+    dh = coefficient_cotangents(config, dh_pre, dh_post, dh_res, tile)
     table_t = jnp.asarray(_pre._permutation_table(n).T) if config.mix == "permutations" else None
     if not own_gates and carried is not None:
         carried = _pre.carried_lanes(config, carried, tile)
+    if partials is not None:
+        partials = _pre.partials_lanes(config, partials, tile)
     dx, dcarried, gram, dbias_rows, dalpha_rows = run(
         config,
         x,
@@ -579,6 +636,8 @@ def _backward(
         interpret=interpret,
         carried=carried,
         cores=cores,
+        partials=partials,
+        slices=slices,
     )
     return (dx, dcarried, *parameter_grads(config, params, gram, dbias_rows, dalpha_rows, d))
 

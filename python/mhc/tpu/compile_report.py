@@ -74,6 +74,21 @@ OPERATIONS = {
         ("features", "x", "gates", "gates", "mix", "x", "features", "gates", "gates", "mix", "params"),
         lambda n: 3 * n + 3,
     ),
+    # The split forms (D split over devices), one device's share: "partials" [T, N + 1] f32 and
+    # "scales" alpha [3], bias [N]. The partials read x (and dlayer_in); the finishes the pre's
+    # traffic (the backward's: x, dx_partial, dlayer_in read, dx written).
+    "mhc_pre_forward_partials": (("x", "rows"), lambda n: n),
+    "mhc_pre_forward_finish": (("x", "partials", "scales"), lambda n: n + 1),
+    "mhc_pre_forward_finish_carried": (("x", "partials", "gates", "scales"), lambda n: n + 1),
+    "mhc_pre_backward_partials": (("features", "x"), lambda n: n + 1),
+    "mhc_pre_backward_finish": (
+        ("features", "x", "gates", "gates", "mix", "x", "partials", "params"),
+        lambda n: 3 * n + 1,
+    ),
+    "mhc_pre_backward_finish_carried": (
+        ("features", "x", "gates", "gates", "mix", "x", "partials", "gates", "params"),
+        lambda n: 3 * n + 1,
+    ),
 }
 
 
@@ -89,6 +104,9 @@ def _operands(kinds, config: Config, d: int, t: int, dtype, sharding):
         "gates": [shape((t, n))],
         "mix": [shape((t, n, n))],
         "params": [shape((n * d,)), shape((n * d, width)), shape((3,)), shape((width,))],
+        "rows": [shape((n * d,)), shape((n * d, width))],  # norm_weight, phi
+        "scales": [shape((3,)), shape((width,))],  # alpha, bias
+        "partials": [shape((t, width + 1))],
         "head": [shape((n, n * d)), shape((n,)), shape((1,))],
     }
     return [s for kind in kinds for s in shapes[kind]]

@@ -10,7 +10,7 @@ Each operation runs its own kernels on a platform that has them, its documented 
 kernels where only those are (the boundary on a GPU or a TPU without the fused kernel: post then
 pre, with a warning once per process unless the caller passed fallback="allow"), and raises an
 mhc error otherwise; with D split over devices (tensor parallelism) it needs the split form's
-kernels (cpu and cuda have them, tpu not), else the mhc error names what works instead. The
+kernels (cpu, cuda and tpu have them), else the mhc error names what works instead. The
 platform is only known when XLA lowers the program (it may be lowered or exported for another
 machine), so the checks are a primitive whose lowering rule makes the decision.
 
@@ -143,8 +143,13 @@ _tpu_kernel_p.def_abstract_eval(lambda *args, result_types, **_: [jax.typeof(r) 
 
 
 def _tpu_kernel_lowering(ctx, *args, target: str, config: Config, result_types: tuple, slices: int, interpret):
+    from mhc import tpu
+
+    # The split forms' finish kernels need the devices D is split over (the RMS mean is over n D).
+    options = {"slices": slices} if target in tpu.TAKES_SLICES else {}
+
     def kernel(*args):
-        results = _tpu_kernels()[target](config, *args, interpret=interpret)
+        results = _tpu_kernels()[target](config, *args, interpret=interpret, **options)
         return (results,) if len(result_types) == 1 else tuple(results)
 
     # Inside jax.shard_map (check_vma), pallas_call wants each output's varying mesh axes in its
