@@ -180,9 +180,9 @@ View host_view(nb::handle object, Array& array, const mhc_ffi::Operation& op, co
   return mhc_ffi::make_view<View>(array.data(), dtype, dims, op.c_name, name);
 }
 
-void run(const std::string& name, nb::sequence inputs, nb::sequence outputs, int64_t n, int64_t mix,
-         int64_t sinkhorn_iters, float sinkhorn_eps, float rms_eps, float pre_eps, float post_scale,
-         int64_t tensor_parallel) {
+void run(const std::string& name, const nb::sequence& inputs, const nb::sequence& outputs,
+         int64_t n, int64_t mix, int64_t sinkhorn_iters, float sinkhorn_eps, float rms_eps,
+         float pre_eps, float post_scale, int64_t tensor_parallel) {
   int index = 0;
   while (index < kOperationCount && name != kOperations[index].name) ++index;
   if (index == kOperationCount) {
@@ -191,7 +191,7 @@ void run(const std::string& name, nb::sequence inputs, nb::sequence outputs, int
   const mhc_ffi::Operation& op = kOperations[index];
   std::string failure;
   try {
-    const auto check_count = [&](nb::sequence arrays, int expected, const char* what) {
+    const auto check_count = [&](const nb::sequence& arrays, int expected, const char* what) {
       const size_t given = nb::len(arrays);
       if (given != static_cast<size_t>(expected)) {
         throw mhc::Error(

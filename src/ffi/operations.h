@@ -170,7 +170,8 @@ constexpr size_t flat_size() {
                     std::is_same_v<Group, mhc::MutableTensorRef> || std::is_aggregate_v<Group>,
                 "an operation's parameters are views or aggregates of views");
   static_assert(sizeof(Group) % sizeof(mhc::TensorRef) == 0);
-  return sizeof(Group) / sizeof(mhc::TensorRef);
+  // An aggregate of views counted by its size (the asserts above: only views, all one size).
+  return sizeof(Group) / sizeof(mhc::TensorRef);  // NOLINT(bugprone-sizeof-expression)
 }
 
 template <class Group, class View, size_t... Member>
