@@ -17,7 +17,9 @@ bf16, rounding twice where the kernel rounds once).
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +53,24 @@ def _allocate(operation: dict, tensors: tuple) -> list:
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs]
 
 
+class _Signature(NamedTuple):
+    shape: tuple
+    dtype: torch.dtype
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_specs(name: str, signature: tuple) -> tuple:
+    return tuple(_operations.output_specs(OPERATIONS[name], [_Signature(*s) for s in signature], torch.float32))
+
+
+def _allocate_on_the_cpu(name: str, tensors: tuple) -> list:
+    """_allocate for real host tensors, the output rules read once per input signature (evaluating
+    them in Python took 41 us a call at decode: docs/performance.md). Fake tensors take _allocate
+    (their shapes may be symbolic)."""
+    specs = _cached_specs(name, tuple((tuple(t.shape), t.dtype) for t in tensors))
+    return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+
+
 _extension_run = None
 
 
@@ -73,7 +93,7 @@ def _define(name: str, operation: dict):
 
     def run_on_the_cpu(*arguments):
         tensors, config_scalars = arguments[:count], arguments[count:]
-        outputs = _allocate(operation, tensors)
+        outputs = _allocate_on_the_cpu(name, tensors)
         n = tensors[operation["inputs"].index("x")].shape[1]
         # tensor_parallel 1: torch's ops run on the whole D (the split forms see D / tensor_parallel as D)
         _run_entry_point()(name, list(tensors), outputs, n, *config_scalars, 1)
