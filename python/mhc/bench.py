@@ -489,8 +489,22 @@ def cpu_machine_info(threads: int) -> dict:
         "simd": simd,
         "copy_gbs": _mhc_cpu.copy_bandwidth_gbs(256 << 20, threads),
         "fma_peak_gflops": _mhc_cpu.fma_peak_gflops(threads),
+        "huge_pages": transparent_huge_pages(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+def transparent_huge_pages() -> str:
+    """Linux's transparent huge page mode: "always", "madvise" or "never" ("unavailable" where the
+    kernel has none, as on macOS). mhc asks for huge pages on its large CPU outputs and scratch
+    (madvise), which takes effect under "always" or "madvise": with "never", each call's fresh
+    outputs are first touched 4 KiB page by page, unless mhc.tune_allocator() keeps them."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            modes = f.read().split()
+    except OSError:
+        return "unavailable"
+    return next((mode.strip("[]") for mode in modes if mode.startswith("[")), "unavailable")
 
 
 def touch_memory(gib: float) -> float:
@@ -699,7 +713,9 @@ def format_table(result: dict) -> str:
             if m["fma_peak_gflops"] is not None
             else "compute ceiling not measured (GPU: floor = bytes / copy bandwidth)"
         )
-        + f" ({m['date']}; medians of {result['repeats']}; {_allocator_note(result)})",
+        + f" ({m['date']}; medians of {result['repeats']}; {_allocator_note(result)}"
+        + (f"; transparent huge pages: {m['huge_pages']}" if "huge_pages" in m else "")
+        + ")",
         "",
         f"{'shape':<26} {'op':<20} {'kernel ms':>10} {'plain ms':>10} {'speedup':>8} {'GB/s':>7} "
         f"{'GFLOP/s':>8} {'floor ms':>9} {'bound':>8} {'roofline':>9}"

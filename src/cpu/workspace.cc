@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -130,7 +131,15 @@ Arena::Arena(size_t bytes) : bytes_(bytes) {
   const size_t alignment = bytes >= kHugePage ? kHugePage : size_t{64};
   data_ = static_cast<char*>(std::aligned_alloc(alignment, bytes));
   if (data_ == nullptr) throw std::bad_alloc();
-  if (bytes >= kHugePage) madvise(data_, bytes, MADV_HUGEPAGE);  // a hint: failure is harmless
+  advise_huge_pages(data_, bytes);
+}
+
+void advise_huge_pages(void* data, size_t bytes) {
+  const auto begin = reinterpret_cast<uintptr_t>(data);
+  const uintptr_t first = (begin + kHugePage - 1) / kHugePage * kHugePage;
+  const uintptr_t last = (begin + bytes) / kHugePage * kHugePage;
+  // NOLINTNEXTLINE(performance-no-int-to-ptr): madvise takes the page-aligned address back
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 }
 
 Workspace::Workspace(size_t bytes) : arena_(bytes > 0 ? cache().lease(bytes) : nullptr) {}

@@ -1,13 +1,18 @@
 // The CPU backend's workspace cache (src/cpu/workspace.h): arenas reused across calls and threads,
-// idle memory bounded by kMaxIdleBytes, arenas idle for kIdleSeconds freed. Built with
+// idle memory bounded by kMaxIdleBytes, arenas idle for kIdleSeconds freed; huge-page advice on
+// callers' buffers. Built with
 // workspace.cc directly (its functions are internal to libmhc).
 #include "../../src/cpu/workspace.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <fstream>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -108,6 +113,52 @@ TEST_F(WorkspaceCache, ArenasIdleForTheIdleTimeAreFreedByTheNextLease) {
   std::this_thread::sleep_for(std::chrono::duration<double>(kIdleSeconds + 0.1));
   Workspace larger(16 * kMiB);  // does not fit in the idle arena, so cannot take it
   EXPECT_EQ(workspace_cache_stats().idle_arenas, 0);
+}
+
+// Whether Linux's smaps lists the mapping that holds `address` with VM_HUGEPAGE set (flag "hg",
+// which madvise(MADV_HUGEPAGE) sets whether or not huge pages are available at the time).
+bool advised_onto_huge_pages(const char* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto target = reinterpret_cast<uintptr_t>(address);
+  std::string line;
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    uintptr_t begin = 0;
+    uintptr_t end = 0;
+    char dash = 0;
+    std::istringstream range(line);
+    if (range >> std::hex >> begin >> dash >> end && dash == '-') {
+      inside = begin <= target && target < end;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.find(" hg") != std::string::npos;
+    }
+  }
+  return false;
+}
+
+TEST(AdviseHugePages, AdvisesTheWholeHugePagesInsideTheBufferAndNothingAround) {
+  if (!std::ifstream("/sys/kernel/mm/transparent_hugepage/enabled")) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages";
+  }
+  constexpr size_t kHuge = 2 * kMiB;
+  // A private mapping of 7 huge pages, aligned by hand: the buffer starts half a huge page in
+  // and ends half a page early, so exactly pages 1 to 3 lie wholly inside it.
+  const size_t span = 7 * kHuge;
+  void* mapping = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(mapping, MAP_FAILED);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(mapping);
+  char* aligned = static_cast<char*>(mapping) + ((start + kHuge - 1) / kHuge * kHuge - start);
+  char* buffer = aligned + kHuge / 2;
+  advise_huge_pages(buffer, 4 * kHuge);
+  EXPECT_FALSE(advised_onto_huge_pages(aligned + kHuge - 1));
+  EXPECT_TRUE(advised_onto_huge_pages(aligned + kHuge));
+  EXPECT_TRUE(advised_onto_huge_pages(aligned + 4 * kHuge - 1));
+  EXPECT_FALSE(advised_onto_huge_pages(aligned + 4 * kHuge));
+  // Too small to hold a whole huge page: nothing is advised (no syscall for small outputs).
+  char* small = aligned + 4 * kHuge + 100;
+  advise_huge_pages(small, kHuge);
+  EXPECT_FALSE(advised_onto_huge_pages(small));
+  munmap(mapping, span);
 }
 
 }  // namespace

@@ -82,3 +82,51 @@ def test_import_leaves_malloc_alone_and_tune_allocator_keeps_large_blocks_in_the
     assert _probe("import") == ["default", "True", "True"]
     # The explicit call applies, and from then on large blocks come from the heap.
     assert _probe("tune") == ["default", "True", "True", "tuned", "True", "False", "True"]
+
+
+def _advised_onto_huge_pages(address: int) -> bool:
+    """Whether /proc/self/smaps lists the mapping holding ``address`` with VM_HUGEPAGE ("hg"), which
+    madvise(MADV_HUGEPAGE) sets whether or not huge pages are free at the time."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):
+                begin, end = (int(bound, 16) for bound in first.split("-"))
+                inside = begin <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return "hg" in line.split()[1:]
+    return False
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="no transparent huge pages"
+)
+def test_large_outputs_are_advised_onto_huge_pages_before_the_kernel_writes_them():
+    # The output in a fresh anonymous mapping of our own (nothing advised it before); run() shares
+    # the path into the kernels with the XLA handlers (cpu_handlers.cc, call_declared).
+    import mmap
+
+    import numpy as np
+
+    from mhc import _mhc_cpu
+
+    tokens, n, dim, huge = 128, 4, 4096, 2 << 20
+    rng = np.random.default_rng()
+    x = rng.standard_normal((tokens, n, dim)).astype(np.float32)
+    layer_out = rng.standard_normal((tokens, dim)).astype(np.float32)
+    h_post = rng.random((tokens, n)).astype(np.float32)
+    h_res = (rng.random((tokens, n, n)) / n).astype(np.float32)
+    mapping = mmap.mmap(-1, x.nbytes + huge)
+    out = np.frombuffer(mapping, np.float32, x.size).reshape(x.shape)
+    address = out.ctypes.data
+    first_whole_page = -(-address // huge) * huge
+    assert not _advised_onto_huge_pages(first_whole_page)
+    _mhc_cpu.run("post_forward", [x, layer_out, h_post, h_res], [out], n, 0, 20, 1e-6, 1e-6, 0.0, 2.0, 1)
+    assert _advised_onto_huge_pages(first_whole_page)
+    assert not _advised_onto_huge_pages(address + x.nbytes + huge // 2)  # past the output
+    # The kernel's result is untouched by the advice: out = h_res^T x + h_post layer_out per token.
+    want = np.einsum("tij,tid->tjd", h_res, x) + h_post[:, :, None] * layer_out[:, None, :]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    del out
+    mapping.close()
