@@ -24,9 +24,7 @@ Importing this module imports torch: mhc.bench imports it only for ``--table tor
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import sys
-import time
 
 import torch
 
@@ -190,32 +188,6 @@ def functions(case: Case, op: str, paths, compile_backend: str = "inductor") -> 
     return result
 
 
-def time_in_turns(functions: dict, repeats: int) -> dict:
-    """Each function called once to warm up (its time kept: the compile, for ``compiled``), then
-    ``repeats`` rounds of one call each: path -> (median seconds, median per-round ratio to the
-    first path, first-call seconds)."""
-    first_call = {}
-    for path, function in functions.items():
-        start = time.perf_counter()
-        function()
-        first_call[path] = time.perf_counter() - start
-    times = {path: [] for path in functions}
-    for _ in range(repeats):
-        for path, function in functions.items():
-            start = time.perf_counter()
-            function()
-            times[path].append(time.perf_counter() - start)
-    reference = times[next(iter(functions))]
-    return {
-        path: (
-            statistics.median(kept),
-            statistics.median([t / r for t, r in zip(kept, reference, strict=True)]),
-            first_call[path],
-        )
-        for path, kept in times.items()
-    }
-
-
 def overhead(case: Case, repeats: int) -> dict:
     """The pre at decode, layer by layer: ``run`` the bare C++ call on preallocated outputs, ``op``
     the custom op (dispatch and allocation), ``pre`` mhc.torch.pre under no_grad (checks, reshapes,
@@ -252,7 +224,7 @@ def overhead(case: Case, repeats: int) -> dict:
                 case.hf_module(case.x)
 
         layers["hf"] = hf
-    return {layer: median for layer, (median, _, _) in time_in_turns(layers, repeats).items()}
+    return {layer: median for layer, (median, _, _) in bench.time_in_turns(layers, repeats).items()}
 
 
 def run(
@@ -298,7 +270,7 @@ def run(
             if bar is not None:
                 bar.set_description(f"torch {s.label} {op}")
             case_repeats = repeats if s.tokens >= BACKWARD_MIN_TOKENS else max(repeats, decode_repeats)
-            timed = time_in_turns(functions(case, op, case_paths, compile_backend), case_repeats)
+            timed = bench.time_in_turns(functions(case, op, case_paths, compile_backend), case_repeats)
             kernel = timed["kernel"][0]
             spec_op = SPEC_OP[op]
             nbytes, flops = bench.minimum_bytes(spec_op, s), bench.flop_count(spec_op, s)

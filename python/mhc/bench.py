@@ -388,22 +388,48 @@ def _median_seconds(function, args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def time_in_turns(functions: dict, repeats: int) -> dict:
+    """Each function called once to warm up (its time kept: the compile, for a compiled path),
+    then ``repeats`` rounds of one call each: name -> (median seconds, median per-round ratio to
+    the first function's time, first-call seconds). Per-round ratios are what a shared machine's
+    drift between two separately timed medians does not reach. Imports no framework: each
+    function blocks until its result is ready (the torch table uses it too)."""
+    first_call = {}
+    for name, function in functions.items():
+        start = time.perf_counter()
+        function()
+        first_call[name] = time.perf_counter() - start
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+    reference = times[next(iter(functions))]
+    return {
+        name: (
+            statistics.median(kept),
+            statistics.median([t / r for t, r in zip(kept, reference, strict=True)]),
+            first_call[name],
+        )
+        for name, kept in times.items()
+    }
+
+
 def _interleaved(first, first_args, second, second_args, repeats: int) -> tuple[float, float, float]:
-    """Two functions timed in turns, one call of each per round (both compiled and warmed up
-    first): the median time of each and the median per-round ratio first / second, which a
-    shared machine's drift between two separately timed medians does not reach."""
+    """Two jitted functions timed in turns (time_in_turns): the median time of each and the median
+    per-round ratio first / second."""
     import jax
 
-    jax.block_until_ready(first(*first_args))
-    jax.block_until_ready(second(*second_args))
-    times = ([], [])
-    for _ in range(repeats):
-        for function, args, kept in ((first, first_args, times[0]), (second, second_args, times[1])):
-            start = time.perf_counter()
-            jax.block_until_ready(function(*args))
-            kept.append(time.perf_counter() - start)
-    ratios = [a / b for a, b in zip(*times, strict=True)]
-    return statistics.median(times[0]), statistics.median(times[1]), statistics.median(ratios)
+    timed = time_in_turns(
+        {
+            "second": lambda: jax.block_until_ready(second(*second_args)),
+            "first": lambda: jax.block_until_ready(first(*first_args)),
+        },
+        repeats,
+    )
+    (first_s, first_over_second, _), (second_s, _, _) = timed["first"], timed["second"]
+    return first_s, second_s, first_over_second
 
 
 def _memory_probe(s: Shape, use_kernel: bool, tuned: bool) -> dict:
