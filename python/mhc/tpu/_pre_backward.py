@@ -514,19 +514,7 @@ def pre_backward(
     token tiles are split over (default: the device's, _layout.tensor_cores; docs/tpu.md)."""
     _check("mhc.tpu.pre_backward", config, _v4_cotangents(dlayer_in, dx_partial, dh_post, dh_res), x, params, tile)
     dx, _, *grads = _backward(
-        config,
-        dlayer_in,
-        dx_partial,
-        None,
-        dh_post,
-        dh_res,
-        x,
-        PreApply.OWN_GATES,
-        None,
-        params,
-        tile,
-        interpret,
-        cores,
+        config, dlayer_in, dx_partial, None, dh_post, dh_res, x, PreApply.OWN_GATES, params, tile, interpret, cores
     )
     return (dx, *grads)
 
@@ -559,7 +547,7 @@ def pre_backward_carried(
     _pre.check_carried(operation, carried, *x.shape[:2])
     mode = _pre.carried_mode(carried)
     dx, dcarried, *grads = _backward(
-        config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, mode, carried, params, tile, interpret, cores
+        config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, mode, params, tile, interpret, cores, carried=carried
     )
     # The target's contract: the one-hot's (absent) cotangent in the [T, 0] form of its carried.
     return (dx, jnp.zeros((x.shape[0], 0), _F32) if mode is PreApply.ONE_HOT else dcarried, *grads)
@@ -587,11 +575,12 @@ def _backward(
     dh_res,
     x,
     mode: PreApply,
-    carried,
     params,
     tile,
     interpret,
     cores,
+    *,
+    carried=None,
     partials=None,
     slices: int = 1,
 ):
