@@ -16,6 +16,17 @@ enum class Mix {
 
 MHC_API const char* to_string(Mix mix);
 
+// Which mix a pre's pre-apply (spec: Forward step 6) reads: the one value the layers pass for it.
+// DeepSeek-V4's operations read the sublayer's own gates h_pre; V4.1's *_carried operations
+// (spec: Single-pass schedule) read a carried mix [T, n], or for the first sublayer the one-hot
+// on stream 0, which their callers select with an absent carried view (mhc/ops.h). Python's
+// mhc._config.PreApply has the same values.
+enum class PreApply : int32_t {
+  own_gates = 0,  // V4: the sublayer's own h_pre
+  carried = 1,    // V4.1: the carried mix, the previous sublayer's h_pre
+  one_hot = 2,    // V4.1's first sublayer: stream 0 alone (layer_in = x[:, 0])
+};
+
 // Largest stream counts the library accepts. Sinkhorn's per-token state is n*n floats; the
 // permutation mix has n! logits, so 6 (720 columns) is where it stops being "small".
 inline constexpr int64_t kMaxStreams = 16;

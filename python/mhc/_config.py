@@ -9,6 +9,7 @@ import jax either: mhc.torch shares Config, and Params / HeadParams hold torch t
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -100,6 +101,25 @@ class Config:
     def projection_width(self) -> int:
         """N = 2n + R: columns of phi."""
         return 2 * self.n + self.residual_logits
+
+
+class PreApply(enum.Enum):
+    """Which mix a pre's pre-apply reads (spec: Algorithm step 6, Single-pass schedule): the one
+    value every layer passes, from a public call's arguments down to the kernels. Derived once, at
+    the top of a public function (``PreApply.of``); the values are the C++ core's
+    ``mhc::PreApply`` (include/mhc/config.h)."""
+
+    OWN_GATES = 0  # DeepSeek-V4: the sublayer's own h_pre
+    CARRIED = 1  # V4.1: a carried mix [..., n] f32, the previous sublayer's h_pre
+    ONE_HOT = 2  # V4.1's first sublayer: the one-hot on stream 0 (layer_in = x[..., 0, :])
+
+    @classmethod
+    def of(cls, config: Config, carried) -> PreApply:
+        """The mode of a pre with this config and ``carried=`` argument (None or a mix): own gates
+        unless ``config.pre_from_previous``, then the carried mix, or the one-hot without one."""
+        if not config.pre_from_previous:
+            return cls.OWN_GATES
+        return cls.ONE_HOT if carried is None else cls.CARRIED
 
 
 class Params(NamedTuple):

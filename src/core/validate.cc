@@ -104,11 +104,11 @@ void ArgumentChecker::head_grads(const HeadGrads& grads) {
   output("grads.scale", grads.scale, {1}, DType::f32);
 }
 
-bool ArgumentChecker::carried(const std::string& name, const TensorRef& view) {
-  if (view.rank == 0 && view.data == nullptr) return false;
+PreApply ArgumentChecker::carried(const std::string& name, const TensorRef& view) {
+  if (view.rank == 0 && view.data == nullptr) return PreApply::one_hot;
   if (view.rank == 2 && view.shape[0] == dims_.T && view.shape[1] == 0) {
     check_view(name, view, {dims_.T, 0}, DType::f32, false);
-    return false;
+    return PreApply::one_hot;
   }
   if (view.rank != 2 || view.shape[0] != dims_.T || view.shape[1] != dims_.n) {
     throw Error(op_, name,
@@ -118,14 +118,14 @@ bool ArgumentChecker::carried(const std::string& name, const TensorRef& view) {
                     view.shape_string());
   }
   check_view(name, view, {dims_.T, dims_.n}, DType::f32, false);
-  return true;
+  return PreApply::carried;
 }
 
 void ArgumentChecker::dcarried(const std::string& name, const MutableTensorRef& view,
-                               bool carried_present) {
+                               PreApply pre_apply) {
   const bool empty_view = view.rank == 0 && view.data == nullptr;
   const bool zero_width = view.rank == 2 && view.shape[0] == dims_.T && view.shape[1] == 0;
-  if (carried_present) {
+  if (pre_apply == PreApply::carried) {
     if (empty_view || zero_width) {
       throw Error(op_, name,
                   "expected shape " + shape_text({dims_.T, dims_.n}) +
@@ -479,9 +479,9 @@ Dims check_collapse_backward(const char* op, const Config& config, const TensorR
   check.tokens("x", x);
   const Dims& d = check.dims();
   check.tensor("dout", dout, {d.T, d.D}, x.dtype);
-  const bool present = check.carried("carried", carried);
+  const PreApply pre_apply = check.carried("carried", carried);
   check.output("dx", dx, {d.T, d.n, d.D}, x.dtype);
-  check.dcarried("dcarried", dcarried, present);
+  check.dcarried("dcarried", dcarried, pre_apply);
   check.finish();
   return check.dims();
 }

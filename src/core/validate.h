@@ -51,10 +51,10 @@ class ArgumentChecker {
   // and h_res [T, n, n] (f32). Returns layer_out's dtype, which dlayer_out shares.
   DType post_inputs(const TensorRef& layer_out, const TensorRef& h_post, const TensorRef& h_res);
   // A carried mix (V4.1, mhc/ops.h): f32 [T, n], or absent (an empty view or [T, 0]: the one-hot
-  // on stream 0). Returns whether it is present.
-  bool carried(const std::string& name, const TensorRef& view);
-  // Its cotangent, an output: f32 [T, n] when the carried mix is present, else absent as well.
-  void dcarried(const std::string& name, const MutableTensorRef& view, bool carried_present);
+  // on stream 0). Returns the pre-apply it selects: PreApply::carried or PreApply::one_hot.
+  PreApply carried(const std::string& name, const TensorRef& view);
+  // Its cotangent, an output: f32 [T, n] for PreApply::carried, else absent as well.
+  void dcarried(const std::string& name, const MutableTensorRef& view, PreApply pre_apply);
   // The head: only the pre gates, so N = n and R = 0 from here on.
   void head();
   // The head's parameters (fn [n, M], base [n], scale [1]) and their gradients, f32.
@@ -125,10 +125,10 @@ Dims check_boundary_backward(const char* op, const Config& config, const TensorR
                              const TensorRef& h_res, const Params& next_params,
                              const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
 
-// DeepSeek-V4.1's carried mix (mhc/ops.h). carried_present() tells a validated carried view from
-// an absent one.
-inline bool carried_present(const TensorRef& carried) {
-  return carried.rank == 2 && carried.shape[1] != 0;
+// DeepSeek-V4.1's carried mix (mhc/ops.h): the pre-apply a validated carried view selects, the
+// mix itself or, absent, the one-hot on stream 0. The one place a view is read as the mode.
+inline PreApply pre_apply_of(const TensorRef& carried) {
+  return carried.rank == 2 && carried.shape[1] != 0 ? PreApply::carried : PreApply::one_hot;
 }
 Dims check_pre_forward_carried(const char* op, const Config& config, const TensorRef& x,
                                const TensorRef& carried, const Params& params,

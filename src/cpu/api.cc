@@ -106,9 +106,10 @@ void boundary_backward(const Config& config, const TensorRef& next_dlayer_in,
 }
 
 namespace {
-// A validated carried mix's data, or null for the absent one (the one-hot on stream 0).
-const float* carried_data(const TensorRef& carried) {
-  return detail::carried_present(carried) ? static_cast<const float*>(carried.data) : nullptr;
+// The pre-apply of a validated carried view: the mix, or the one-hot on stream 0 when absent.
+cpu::PreApplyMix carried_mix(const TensorRef& carried) {
+  const PreApply mode = detail::pre_apply_of(carried);
+  return {mode, mode == PreApply::carried ? static_cast<const float*>(carried.data) : nullptr};
 }
 }  // namespace
 
@@ -116,7 +117,7 @@ void pre_forward_carried(const Config& config, const TensorRef& x, const TensorR
                          const Params& params, const PreForwardOutputs& outputs) {
   const detail::Dims d = detail::check_pre_forward_carried("mhc::pre_forward_carried", config, x,
                                                            carried, params, outputs);
-  cpu::pre_forward_carried(config, d, x, carried_data(carried), params, outputs);
+  cpu::pre_forward_carried(config, d, x, carried_mix(carried), params, outputs);
 }
 
 void pre_backward_carried(const Config& config, const TensorRef& dlayer_in,
@@ -130,14 +131,14 @@ void pre_backward_carried(const Config& config, const TensorRef& dlayer_in,
       carried, params, dx, dcarried, grads);
   cpu::pre_backward_carried(
       config, d, dlayer_in, dx_partial, static_cast<const float*>(dh_pre.data), dh_post, dh_res, x,
-      carried_data(carried), params, dx, static_cast<float*>(dcarried.data), grads);
+      carried_mix(carried), params, dx, static_cast<float*>(dcarried.data), grads);
 }
 
 void collapse_forward(const Config& config, const TensorRef& x, const TensorRef& carried,
                       const MutableTensorRef& out) {
   const detail::Dims d =
       detail::check_collapse_forward("mhc::collapse_forward", config, x, carried, out);
-  cpu::collapse_forward(d, x, carried_data(carried), out);
+  cpu::collapse_forward(d, x, carried_mix(carried), out);
 }
 
 void collapse_backward(const Config& config, const TensorRef& dout, const TensorRef& x,
@@ -145,7 +146,7 @@ void collapse_backward(const Config& config, const TensorRef& dout, const Tensor
                        const MutableTensorRef& dcarried) {
   const detail::Dims d = detail::check_collapse_backward("mhc::collapse_backward", config, dout, x,
                                                          carried, dx, dcarried);
-  cpu::collapse_backward(d, dout, x, carried_data(carried), dx, static_cast<float*>(dcarried.data));
+  cpu::collapse_backward(d, dout, x, carried_mix(carried), dx, static_cast<float*>(dcarried.data));
 }
 
 void boundary_forward_carried(const Config& config, const TensorRef& x, const TensorRef& layer_out,
@@ -182,7 +183,7 @@ void pre_forward_finish_carried(const Config& config, const TensorRef& x, const 
   const detail::Dims d = detail::check_pre_forward_finish_carried(
       "mhc::pre_forward_finish_carried", config, x, partials, carried, alpha, bias, outputs);
   cpu::pre_forward_finish_carried(config, d, x, static_cast<const float*>(partials.data),
-                                  carried_data(carried), static_cast<const float*>(alpha.data),
+                                  carried_mix(carried), static_cast<const float*>(alpha.data),
                                   static_cast<const float*>(bias.data), outputs);
 }
 
@@ -197,7 +198,7 @@ void pre_backward_finish_carried(const Config& config, const TensorRef& dlayer_i
       partials, carried, params, dx, grads);
   cpu::pre_backward_finish_carried(
       config, d, dlayer_in, dx_partial, static_cast<const float*>(dh_pre.data), dh_post, dh_res, x,
-      static_cast<const float*>(partials.data), carried_data(carried), params, dx, grads);
+      static_cast<const float*>(partials.data), carried_mix(carried), params, dx, grads);
 }
 
 void set_num_threads(int threads) { cpu::ThreadPool::instance().set_threads(threads); }

@@ -175,7 +175,7 @@ void boundary_forward_carried(const Config& config, const detail::Dims& dims, co
                               const Params& next_params, const MutableTensorRef& x_next,
                               const PreForwardOutputs& next) {
   run_forward(config, dims, x, layer_out, h_post, h_res, next_params, x_next, next,
-              PreApplyMix{true, static_cast<const float*>(h_pre.data)});
+              PreApplyMix{PreApply::carried, static_cast<const float*>(h_pre.data)});
 }
 
 void boundary_backward_carried(const Config& config, const detail::Dims& dims,
@@ -187,7 +187,7 @@ void boundary_backward_carried(const Config& config, const detail::Dims& dims,
                                const Params& next_params, const PostBackwardOutputs& outputs,
                                const MutableTensorRef& dh_pre, const ParamGrads& next_grads) {
   const Supplied supplied{nullptr, static_cast<const float*>(next_dh_pre.data),
-                          PreApplyMix{true, static_cast<const float*>(h_pre.data)},
+                          PreApplyMix{PreApply::carried, static_cast<const float*>(h_pre.data)},
                           static_cast<float*>(dh_pre.data)};
   run_backward(config, dims, next_dlayer_in, next_dx_partial, next_dh_post, next_dh_res, x,
                layer_out, h_post, h_res, next_params, outputs, supplied, next_grads);

@@ -4,7 +4,7 @@
 // one pass per token over tasks of post_tile_tokens(M) tokens, as the post operations, in the
 // pre kernels' inner loops (the forward's sum is weighted_rows, so it has the bits of
 // pre_forward_carried's layer_in, reading x and writing out in their own type, bf16 widened in
-// the loads; dcarried is dot, as pre_backward_carried's). A null carried is
+// the loads; dcarried is dot, as pre_backward_carried's). The PreApply one_hot is
 // the one-hot on stream 0: the forward copies stream 0, the backward writes dout to dx[:, 0] and
 // zeros to the other streams.
 #include <algorithm>
@@ -78,24 +78,22 @@ void backward_tokens(const detail::Dims& dims, const X* dout, const X* x, const 
 
 }  // namespace
 
-void collapse_forward(const detail::Dims& dims, const TensorRef& x, const float* carried,
+void collapse_forward(const detail::Dims& dims, const TensorRef& x, const PreApplyMix& mix,
                       const MutableTensorRef& out) {
   if (dims.T == 0) return;
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
-    forward_tokens(dims, static_cast<const X*>(x.data), PreApplyMix{true, carried},
-                   static_cast<X*>(out.data));
+    forward_tokens(dims, static_cast<const X*>(x.data), mix, static_cast<X*>(out.data));
   });
 }
 
 void collapse_backward(const detail::Dims& dims, const TensorRef& dout, const TensorRef& x,
-                       const float* carried, const MutableTensorRef& dx, float* dcarried) {
+                       const PreApplyMix& mix, const MutableTensorRef& dx, float* dcarried) {
   if (dims.T == 0) return;
   with_activation_type(x.dtype, [&](auto tag) {
     using X = decltype(tag);
-    backward_tokens(dims, static_cast<const X*>(dout.data), static_cast<const X*>(x.data),
-                    PreApplyMix{true, carried}, static_cast<X*>(dx.data),
-                    carried != nullptr ? dcarried : nullptr);
+    backward_tokens(dims, static_cast<const X*>(dout.data), static_cast<const X*>(x.data), mix,
+                    static_cast<X*>(dx.data), mix.mode == PreApply::carried ? dcarried : nullptr);
   });
 }
 

@@ -27,6 +27,25 @@ void with_activation_types(DType x_dtype, DType layer_out_dtype, Body body) {
   });
 }
 
+// The mix the pre-apply reads (mhc::PreApply): the sublayer's own h_pre (the default), a carried
+// mix [T, n] (weights), or the one-hot on stream 0, applied as stream 0 alone with weight 1 (an
+// exact copy; the other streams never enter). weights is read in mode carried only.
+inline constexpr float kOneHotWeight = 1.0f;
+struct PreApplyMix {
+  PreApply mode = PreApply::own_gates;
+  const float* weights = nullptr;  // [T, n]
+  // The streams the pre-apply sums (the first streams(n)) and their weights for `token`.
+  int64_t streams(int64_t n) const { return mode == PreApply::one_hot ? 1 : n; }
+  const float* row(int64_t token, int64_t n, const float* own_h_pre) const {
+    switch (mode) {
+      case PreApply::own_gates: return own_h_pre;
+      case PreApply::one_hot: return &kOneHotWeight;
+      case PreApply::carried: break;
+    }
+    return weights + token * n;
+  }
+};
+
 void pre_forward(const Config& config, const detail::Dims& dims, const TensorRef& x,
                  const Params& params, const PreForwardOutputs& outputs);
 
@@ -76,31 +95,31 @@ void boundary_backward(const Config& config, const detail::Dims& dims,
                        const TensorRef& h_res, const Params& next_params,
                        const PostBackwardOutputs& outputs, const ParamGrads& next_grads);
 
-// DeepSeek-V4.1's carried mix (mhc/ops.h, spec: Single-pass schedule). `carried` [T, n] is the
-// mix the pre-apply reads; null is the one-hot on stream 0 (then dcarried is unused). The pre
-// operations are the pre kernels with a PreApplyMix (pre_forward.cc, pre_backward.cc), the
+// DeepSeek-V4.1's carried mix (mhc/ops.h, spec: Single-pass schedule). `mix` is the carried
+// mix (mode carried) or the one-hot on stream 0 (mode one_hot; then dcarried is unused). The pre
+// operations are the pre kernels with that PreApplyMix (pre_forward.cc, pre_backward.cc), the
 // boundary the fused boundary's tile sources with one (boundary.cc); collapse.cc has the collapse.
 void pre_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
-                         const float* carried, const Params& params,
+                         const PreApplyMix& mix, const Params& params,
                          const PreForwardOutputs& outputs);
 void pre_backward_carried(const Config& config, const detail::Dims& dims,
                           const TensorRef& dlayer_in, const TensorRef& dx_partial,
                           const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
-                          const TensorRef& x, const float* carried, const Params& params,
+                          const TensorRef& x, const PreApplyMix& mix, const Params& params,
                           const MutableTensorRef& dx, float* dcarried, const ParamGrads& grads);
 void pre_forward_finish_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
-                                const float* partials, const float* carried, const float* alpha,
+                                const float* partials, const PreApplyMix& mix, const float* alpha,
                                 const float* bias, const PreForwardOutputs& outputs);
 void pre_backward_finish_carried(const Config& config, const detail::Dims& dims,
                                  const TensorRef& dlayer_in, const TensorRef& dx_partial,
                                  const float* dh_pre, const TensorRef& dh_post,
                                  const TensorRef& dh_res, const TensorRef& x, const float* partials,
-                                 const float* carried, const Params& params,
+                                 const PreApplyMix& mix, const Params& params,
                                  const MutableTensorRef& dx, const ParamGrads& grads);
-void collapse_forward(const detail::Dims& dims, const TensorRef& x, const float* carried,
+void collapse_forward(const detail::Dims& dims, const TensorRef& x, const PreApplyMix& mix,
                       const MutableTensorRef& out);
 void collapse_backward(const detail::Dims& dims, const TensorRef& dout, const TensorRef& x,
-                       const float* carried, const MutableTensorRef& dx, float* dcarried);
+                       const PreApplyMix& mix, const MutableTensorRef& dx, float* dcarried);
 void boundary_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
                               const TensorRef& layer_out, const TensorRef& h_pre,
                               const TensorRef& h_post, const TensorRef& h_res,

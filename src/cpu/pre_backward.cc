@@ -198,7 +198,7 @@ struct BackwardRun {
       }
     }
     // The second sweep's pre-apply weights: the carried mix replaces the gates just computed.
-    if (supplied.mix.carried) {
+    if (supplied.mix.mode != PreApply::own_gates) {
       std::copy_n(supplied.mix.row(token, n, pre), supplied.mix.streams(n), pre);
     }
     double* sums = s.token_sums + t * (3 + N);
@@ -497,22 +497,22 @@ namespace mhc::cpu {
 void pre_backward_carried(const Config& config, const detail::Dims& dims,
                           const TensorRef& dlayer_in, const TensorRef& dx_partial,
                           const float* dh_pre, const TensorRef& dh_post, const TensorRef& dh_res,
-                          const TensorRef& x, const float* carried, const Params& params,
+                          const TensorRef& x, const PreApplyMix& mix, const Params& params,
                           const MutableTensorRef& dx, float* dcarried, const ParamGrads& grads) {
-  // With the one-hot (carried null) there is no dcarried: the <x_k, dli> go nowhere.
+  // With the one-hot there is no dcarried: the <x_k, dli> go nowhere.
+  float* const carried_grad = mix.mode == PreApply::carried ? dcarried : nullptr;
   run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x,
-          Supplied{nullptr, dh_pre, PreApplyMix{true, carried}, carried ? dcarried : nullptr},
-          params, dx, grads);
+          Supplied{nullptr, dh_pre, mix, carried_grad}, params, dx, grads);
 }
 
 void pre_backward_finish_carried(const Config& config, const detail::Dims& dims,
                                  const TensorRef& dlayer_in, const TensorRef& dx_partial,
                                  const float* dh_pre, const TensorRef& dh_post,
                                  const TensorRef& dh_res, const TensorRef& x, const float* partials,
-                                 const float* carried, const Params& params,
+                                 const PreApplyMix& mix, const Params& params,
                                  const MutableTensorRef& dx, const ParamGrads& grads) {
   run_any(config, dims, dlayer_in, dx_partial, dh_post, dh_res, x,
-          Supplied{partials, dh_pre, PreApplyMix{true, carried}, nullptr}, params, dx, grads);
+          Supplied{partials, dh_pre, mix, nullptr}, params, dx, grads);
 }
 
 }  // namespace mhc::cpu

@@ -242,16 +242,15 @@ void pre_forward_finish(const Config& config, const detail::Dims& dims, const Te
 namespace mhc::cpu {
 
 void pre_forward_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
-                         const float* carried, const Params& params,
+                         const PreApplyMix& mix, const Params& params,
                          const PreForwardOutputs& outputs) {
-  run_any(config, dims, x, pre_weights(params), nullptr, outputs, PreApplyMix{true, carried});
+  run_any(config, dims, x, pre_weights(params), nullptr, outputs, mix);
 }
 
 void pre_forward_finish_carried(const Config& config, const detail::Dims& dims, const TensorRef& x,
-                                const float* partials, const float* carried, const float* alpha,
+                                const float* partials, const PreApplyMix& mix, const float* alpha,
                                 const float* bias, const PreForwardOutputs& outputs) {
-  run_any(config, dims, x, PreWeights{nullptr, nullptr, alpha, bias}, partials, outputs,
-          PreApplyMix{true, carried});
+  run_any(config, dims, x, PreWeights{nullptr, nullptr, alpha, bias}, partials, outputs, mix);
 }
 
 }  // namespace mhc::cpu

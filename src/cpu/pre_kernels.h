@@ -7,6 +7,7 @@
 #pragma once
 
 #include "../core/validate.h"
+#include "kernels.h"
 #include "mhc/ops.h"
 #include "tile_source.h"
 
@@ -30,21 +31,6 @@ struct PreGrads {
   float* bias;
 };
 PreGrads pre_grads(const ParamGrads& grads);
-
-// The mix the pre-apply reads. V4: the sublayer's own h_pre (the default). V4.1 (spec:
-// Single-pass schedule): a carried mix [T, n], or for the first sublayer the one-hot on stream 0,
-// applied as stream 0 alone with weight 1 (an exact copy; the other streams never enter).
-inline constexpr float kOneHotWeight = 1.0f;
-struct PreApplyMix {
-  bool carried = false;            // V4.1: the mix below instead of the sublayer's own h_pre
-  const float* weights = nullptr;  // [T, n]; null when carried: the one-hot on stream 0
-  // The streams the pre-apply sums (the first streams(n)) and their weights for `token`.
-  int64_t streams(int64_t n) const { return carried && weights == nullptr ? 1 : n; }
-  const float* row(int64_t token, int64_t n, const float* own_h_pre) const {
-    if (!carried) return own_h_pre;
-    return weights == nullptr ? &kOneHotWeight : weights + token * n;
-  }
-};
 
 // What the split forms supply instead of computing it from this slice of x: the all-reduced
 // partials [T, N+1] (P and the sum of squares) and, for the backward, dh_pre [T, n]. Null in the

@@ -3,13 +3,16 @@ matches the FFI registrations one to one, run() gives the bits of the JAX kernel
 inputs (both call the same C++ functions), and bad input raises a ValueError naming the operation
 and the argument, never a crash."""
 
+import re
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from mhc import _ffi, _mhc_cpu
-from mhc._config import Config
+from mhc._config import Config, PreApply
 from mhc._operations import OPERATIONS, output_specs
 from mhc.jax._kernels.dispatch import _attributes, _ffi_call
 
@@ -202,3 +205,20 @@ def test_run_rejects_an_array_outside_host_memory(seed):
     inputs[0] = torch.from_numpy(inputs[0]).cuda()
     with pytest.raises(ValueError, match="mhc::pre_forward: x: expected an array in host memory"):
         _mhc_cpu.run(name, inputs, outputs, **config)
+
+
+def test_pre_apply_is_derived_once_from_the_public_arguments():
+    v4, v41 = Config(n=4), Config(n=4, pre_from_previous=True)
+    mix = np.full((TOKENS, 4), 0.25, np.float32)
+    assert PreApply.of(v4, None) is PreApply.OWN_GATES
+    assert PreApply.of(v41, None) is PreApply.ONE_HOT
+    assert PreApply.of(v41, mix) is PreApply.CARRIED
+
+
+def test_pre_apply_has_the_values_of_the_cpp_enum():
+    """mhc._config.PreApply and mhc::PreApply (include/mhc/config.h) are one value: same names and
+    numbers, read from the header's declaration."""
+    header = (Path(__file__).resolve().parents[2] / "include" / "mhc" / "config.h").read_text()
+    body = re.search(r"enum class PreApply : int32_t \{(.*?)\};", header, re.S).group(1)
+    cpp = {name.upper(): int(value) for name, value in re.findall(r"(\w+) = (\d+),", body)}
+    assert cpp == {mode.name: mode.value for mode in PreApply}

@@ -22,6 +22,7 @@ from conftest import (  # noqa: E402
     round_by_one_unit,
     sublayer_values,
 )
+from mhc._config import PreApply  # noqa: E402
 from mhc.torch import _ops  # noqa: E402
 
 DTYPES = {"float32": (torch.float32, jnp.float32), "bfloat16": (torch.bfloat16, jnp.bfloat16)}
@@ -183,7 +184,7 @@ def _float64_chain_grads(x, sublayers, carried, rng=None):
     state, mix = x64, None
     for p, (_, config, branch) in zip(params64, sublayers, strict=True):
         h_pre, h_post, h_res = mt.reference.coefficients(state, p, config)
-        layer_out = branch(mt.reference.pre_apply(state, h_pre, mix, config))
+        layer_out = branch(mt.reference.pre_apply(PreApply.of(config, mix), state, h_pre, mix))
         state, mix = mt.reference.post(state, layer_out, h_post, h_res), h_pre
     out = mt.reference.collapse(state, mix) if carried else state
     (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)).sum().backward()

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from mhc._config import BINDING_API
+from mhc._config import BINDING_API, PreApply
 from mhc.jax import _kernels, reference  # _kernels registers the FFI targets at import
 from mhc.jax._kernels import RESIDUAL_NAMES  # the checkpoint_names of the custom VJPs' residuals
 from mhc.jax._types import (
@@ -175,12 +175,12 @@ def pre(
         _global_x(x, _rows(params, "norm_weight", 0), "params.norm_weight", tensor_axis, slices, "pre"), params, config
     )
     check_carried(carried, x, config)
-    if not config.pre_from_previous:
+    pre_apply = PreApply.of(config, carried)
+    if pre_apply is PreApply.OWN_GATES:
         x, params = _kernels.on_common_manual_axes(x, params)
         layer_in, x_ctx, h_post, h_res = _kernels.pre(config, tensor_axis, x, params)
         return layer_in, Context(x_ctx, h_post, h_res, config, True, tensor_axis)
-    if carried is None:  # the kernels' one-hot on stream 0: a mix with no columns
-        carried = jnp.zeros((*x.shape[:-2], 0), jnp.float32)
+    carried = _kernels.carried_operand(pre_apply, x, carried)
     x, carried, params = _kernels.on_common_manual_axes(x, carried, params)
     layer_in, x_ctx, h_pre, h_post, h_res = _kernels.pre_carried(config, tensor_axis, x, carried, params)
     return layer_in, Context(x_ctx, h_post, h_res, config, True, tensor_axis, h_pre=h_pre)

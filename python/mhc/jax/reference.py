@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mhc._config import PreApply
 from mhc.jax._types import (
     Config,
     Context,
@@ -89,11 +90,11 @@ def pre(x: jax.Array, params: Params, config: Config, carried: jax.Array | None 
     context keeps this sublayer's h_pre for the next (spec: Single-pass schedule)."""
     check_pre_args(x, params, config)
     check_carried(carried, x, config)
+    pre_apply = PreApply.of(config, carried)
     h_pre, h_post, h_res = coefficients(x, params, config)
-    if not config.pre_from_previous:
-        layer_in = _mix(h_pre, x)
-        return layer_in, Context(x, h_post, h_res, config, False)
-    layer_in = x[..., 0, :] if carried is None else _mix(carried, x)
+    if pre_apply is PreApply.OWN_GATES:
+        return _mix(h_pre, x), Context(x, h_post, h_res, config, False)
+    layer_in = x[..., 0, :] if pre_apply is PreApply.ONE_HOT else _mix(carried, x)
     return layer_in, Context(x, h_post, h_res, config, False, h_pre=h_pre)
 
 

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.utils.checkpoint
 
-from mhc._config import BINDING_API, Config, HeadParams, Params
+from mhc._config import BINDING_API, Config, HeadParams, Params, PreApply
 from mhc._errors import names_its_errors
 from mhc.torch import _checks, _ops, reference
 
@@ -97,16 +97,17 @@ def pre(x: torch.Tensor, params: Params, config: Config, *, carried=None, use_ke
     pre-apply reads (the previous sublayer's ``ctx.h_pre``); None is the one-hot on stream 0."""
     _checks.check_pre_args(x, params, config, use_kernel)
     _checks.check_carried(carried, x, config, use_kernel)
+    pre_apply = PreApply.of(config, carried)
     if not use_kernel:
         h_pre, h_post, h_res = reference.coefficients(x, params, config)
-        layer_in = reference.pre_apply(x, h_pre, carried, config)
-        return layer_in, Context(x, h_post, h_res, config, False, h_pre if config.pre_from_previous else None)
+        layer_in = reference.pre_apply(pre_apply, x, h_pre, carried)
+        return layer_in, Context(x, h_post, h_res, config, False, None if pre_apply is PreApply.OWN_GATES else h_pre)
     lead, xf = _lead_and_tokens(x)
-    if not config.pre_from_previous:
+    if pre_apply is PreApply.OWN_GATES:
         layer_in, x_ctx, h_post, h_res = _ops.PreFunction.apply(config, xf, *params)
         layer_in, x_ctx, h_post, h_res = _unflat(lead, layer_in, x_ctx, h_post, h_res)
         return layer_in, Context(x_ctx, h_post, h_res, config, True)
-    carried = xf.new_zeros((xf.shape[0], 0), dtype=torch.float32) if carried is None else _ops.tokens(carried, 1)
+    carried = _ops.carried_operand(pre_apply, xf, carried)
     outputs = _unflat(lead, *_ops.PreCarriedFunction.apply(config, xf, carried, *params))
     layer_in, x_ctx, h_pre, h_post, h_res = outputs
     return layer_in, Context(x_ctx, h_post, h_res, config, True, h_pre)

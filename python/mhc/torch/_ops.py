@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from mhc import _operations
-from mhc._config import MIXES, Config
+from mhc._config import MIXES, Config, PreApply
 
 OPERATIONS = _operations.OPERATIONS  # name -> its C++ declaration (inputs, outputs, their rules)
 
@@ -129,6 +129,17 @@ class PreFunction(torch.autograd.Function):
         cotangents = [c.contiguous() for c in (dlayer_in, dx_partial, dh_post, dh_res)]
         dx, *grads = OPS["pre_backward"](*cotangents, x, *params, *scalars(ctx.config))
         return None, dx, *_param_grads_or_none(ctx.needs_input_grad[2:], grads)
+
+
+def carried_operand(pre_apply: PreApply, xf: torch.Tensor, carried):
+    """The carried operand of the V4.1 pre operations for a mode (CARRIED or ONE_HOT, from
+    PreApply.of at the top of mhc.torch.pre), x flat [T, n, D]: the mix as [T, n], or for the
+    one-hot an f32 [T, 0] tensor, the form the C++ operations take for it. Made here only."""
+    if pre_apply is PreApply.CARRIED:
+        return tokens(carried, 1)
+    if pre_apply is not PreApply.ONE_HOT:
+        raise ValueError(f"pre_apply: expected PreApply.CARRIED or PreApply.ONE_HOT, got {pre_apply!r}")
+    return xf.new_zeros((xf.shape[0], 0), dtype=torch.float32)
 
 
 class PreCarriedFunction(torch.autograd.Function):

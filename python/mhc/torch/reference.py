@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from mhc._config import Config, HeadParams, Params
+from mhc._config import Config, HeadParams, Params, PreApply
 
 
 def permutation_matrices(n: int, device=None) -> torch.Tensor:
@@ -62,11 +62,11 @@ def mix(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (weights.unsqueeze(-1) * _wide(x)).sum(dim=-2).to(x.dtype)
 
 
-def pre_apply(x: torch.Tensor, h_pre: torch.Tensor, carried, config: Config) -> torch.Tensor:
-    """layer_in: V4 mixes by its own gates; V4.1 by the carried mix (None: stream 0)."""
-    if not config.pre_from_previous:
+def pre_apply(mode: PreApply, x: torch.Tensor, h_pre: torch.Tensor, carried) -> torch.Tensor:
+    """layer_in: V4 mixes by its own gates; V4.1 by the carried mix, or its one-hot takes stream 0."""
+    if mode is PreApply.OWN_GATES:
         return mix(h_pre, x)
-    return x[..., 0, :] if carried is None else mix(carried, x)
+    return x[..., 0, :] if mode is PreApply.ONE_HOT else mix(carried, x)
 
 
 def post(x: torch.Tensor, layer_out: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> torch.Tensor:

@@ -115,13 +115,7 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
     carried = h_pre is not _pre.OWN_GATES
     tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
-        return (
-            jnp.zeros(x.shape, x.dtype),
-            jnp.zeros((0, d), x.dtype),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n, n), _F32),
-        )
+        return (jnp.zeros(x.shape, x.dtype), *_pre.empty_forward(x))
     padded = _layout.padded_features(d)
     streams = pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0))
     features = pl.BlockSpec((tile, padded), lambda i: (i, 0))

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from mhc._config import Config
+from mhc._config import Config, PreApply
 from mhc.tpu import _layout, _post, _pre
 
 _F32 = jnp.float32
@@ -101,7 +101,7 @@ def collapse_forward(config: Config, x, carried, *, tile: int | None = None, int
         return jnp.zeros((0, d), x.dtype)
     tile = tile or token_tile(config, d, x.dtype, backward=False)
     padded, grid, streams, features, mix = _blocks(t, n, d, tile)
-    one_hot = carried.shape[1] == 0
+    one_hot = _pre.carried_mode(carried) is PreApply.ONE_HOT
     operands = [_layout.pad_features(x, padded)] + ([] if one_hot else [_pre.carried_lanes(config, carried, tile)])
     size = x.dtype.itemsize
     out = pl.pallas_call(
@@ -136,7 +136,7 @@ def collapse_backward(config: Config, dout, x, carried, *, tile: int | None = No
             f"mhc.tpu.collapse_backward: dout: expected shape {(t, d)} and dtype {x.dtype}, got {dout.shape} "
             f"{dout.dtype}"
         )
-    one_hot = carried.shape[1] == 0
+    one_hot = _pre.carried_mode(carried) is PreApply.ONE_HOT
     dcarried_shape = (t, 0 if one_hot else n)
     if t == 0:
         return jnp.zeros(x.shape, x.dtype), jnp.zeros(dcarried_shape, _F32)

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mhc._config import Config, Params
+from mhc._config import Config, Params, PreApply
 from mhc.tpu import _layout
 
 _F32 = jnp.float32
@@ -343,12 +343,36 @@ def streamed_pre_apply(layer_in_ref, h_pre, x_ref, n: int):
     )
 
 
-# pre_body's and the backward's `carried` for DeepSeek-V4's pre-apply, which mixes x with the
-# sublayer's own h_pre (V4.1 passes its carried mix instead: a ref, or None for the one-hot).
-OWN_GATES = "own gates"
-# The wrappers' names of V4.1's two cases: the one-hot on stream 0 (a [T, 0] carried operand: no
-# block), and a carried mix [T, n] (a (G, tile) block per token tile, the tokens in the lanes).
-ONE_HOT, CARRIED = "one-hot", "carried"
+# pre_body's and the backward's `carried_ref` for DeepSeek-V4's pre-apply, which mixes x with the
+# sublayer's own h_pre (V4.1 passes its carried mix instead: a ref, or None for the one-hot). The
+# wrappers pass the mode itself (PreApply); this is its member, not a second encoding.
+OWN_GATES = PreApply.OWN_GATES
+
+
+def carried_mode(carried) -> PreApply:
+    """The mode of a checked carried operand of the *_carried kernels, whose contract (the FFI
+    targets') marks the one-hot on stream 0 by a [T, 0] carried: the one place this backend reads
+    that form; everything below the entry points takes the PreApply."""
+    return PreApply.ONE_HOT if carried.shape[1] == 0 else PreApply.CARRIED
+
+
+def body_carried(mode: PreApply, carried=None):
+    """The kernel bodies' carried_ref (or the backward builder's carried) for `mode`: OWN_GATES,
+    None for the one-hot, or `carried`, the carried mix's block."""
+    if mode is PreApply.CARRIED:
+        return carried
+    return None if mode is PreApply.ONE_HOT else OWN_GATES
+
+
+def pop_carried_ref(mode: PreApply, refs: list):
+    """body_carried in a kernel: the carried mix's (G, tile) block follows x, popped from refs."""
+    return body_carried(mode, refs.pop(0) if mode is PreApply.CARRIED else None)
+
+
+def empty_forward(x):
+    """pre_forward's outputs (layer_in, h_pre, h_post, h_res) for x [0, n, D]: no grid to run."""
+    _, n, d = x.shape
+    return (jnp.zeros((0, d), x.dtype), jnp.zeros((0, n), _F32), jnp.zeros((0, n), _F32), jnp.zeros((0, n, n), _F32))
 
 
 def pre_body(x_ref, parameter_refs, layer_in_ref, coefficients_ref, *, config, features, carried_ref=OWN_GATES):
@@ -393,10 +417,9 @@ def finish_body(logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, *
     streamed_pre_apply(layer_in_ref, mix, x_ref, n)
 
 
-def _kernel(*refs, config: Config, features: int, carried: str):
-    """carried: OWN_GATES (V4), ONE_HOT, or CARRIED (a (G, tile) block of the mix follows x)."""
+def _kernel(*refs, config: Config, features: int, mode: PreApply):
     x_ref, *parameter_refs, layer_in_ref, coefficients_ref = refs
-    carried_ref = parameter_refs.pop(0) if carried == CARRIED else (None if carried == ONE_HOT else OWN_GATES)
+    carried_ref = pop_carried_ref(mode, parameter_refs)
     pre_body(
         x_ref, parameter_refs, layer_in_ref, coefficients_ref, config=config, features=features, carried_ref=carried_ref
     )
@@ -578,7 +601,7 @@ def pre_forward(config: Config, x, params: Params, *, tile: int | None = None, i
     pltpu.InterpretParams to run in the TPU interpreter."""
     check_params("pre_forward", config, x, params)
     check_tile("pre_forward", tile)
-    return run(config, x, params, OWN_GATES, tile=tile, interpret=interpret)
+    return run(config, x, params, PreApply.OWN_GATES, tile=tile, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
@@ -591,7 +614,7 @@ def pre_forward_carried(config: Config, x, carried, params: Params, *, tile: int
     check_params("pre_forward_carried", config, x, params)
     check_tile("pre_forward_carried", tile)
     check_carried("mhc.tpu.pre_forward_carried", carried, *x.shape[:2])
-    return run(config, x, params, None if carried.shape[1] == 0 else carried, tile=tile, interpret=interpret)
+    return run(config, x, params, carried_mode(carried), carried, tile=tile, interpret=interpret)
 
 
 def check_carried(operation: str, carried, t: int, n: int):
@@ -608,35 +631,29 @@ def carried_lanes(config: Config, carried, tile: int):
     return _layout.tokens_in_lanes(carried, range(config.n), _layout.group_rows(config.n), tile)
 
 
-def run(config: Config, x, params: Params, carried, *, tile: int | None, interpret):
-    """pre_forward for checked operands; carried: OWN_GATES (V4), None (V4.1's one-hot on stream
-    0) or V4.1's carried mix [T, n] f32, which the pre-apply reads instead of h_pre."""
+def run(config: Config, x, params: Params, mode: PreApply, carried=None, *, tile: int | None, interpret):
+    """pre_forward for checked operands; `carried`: with mode CARRIED, V4.1's carried mix [T, n]
+    f32, which the pre-apply reads instead of h_pre (unread otherwise)."""
     t, n, d = x.shape
-    mode = OWN_GATES if carried is OWN_GATES else (ONE_HOT if carried is None else CARRIED)
-    tile = tile or token_tile(config, d, x.dtype, carried=mode == CARRIED)
+    tile = tile or token_tile(config, d, x.dtype, carried=mode is PreApply.CARRIED)
     if t == 0:
-        return (
-            jnp.zeros((0, d), x.dtype),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n, n), _F32),
-        )
+        return empty_forward(x)
     padded = _layout.padded_features(d)
     parameters, parameter_specs = parameter_operands(config, params, d)
     coefficient_spec, coefficient_shape = coefficient_output(config, t, tile)
     flops, transcendentals, coefficient_bytes = coefficient_cost(config, t, padded)
     operands = [_layout.pad_features(x, padded)]
     in_specs = [pl.BlockSpec((tile, n, padded), lambda i: (i, 0, 0))]
-    if mode == CARRIED:
+    if mode is PreApply.CARRIED:
         operands.append(carried_lanes(config, carried, tile))
         in_specs.append(pl.BlockSpec((None, _layout.group_rows(n), tile), lambda i: (i, 0, 0)))
     layer_in, coefficients = pl.pallas_call(
-        functools.partial(_kernel, config=config, features=d, carried=mode),
+        functools.partial(_kernel, config=config, features=d, mode=mode),
         grid=(pl.cdiv(t, tile),),
         in_specs=[*in_specs, *parameter_specs],
         out_specs=[pl.BlockSpec((tile, padded), lambda i: (i, 0)), coefficient_spec],
         out_shape=[jax.ShapeDtypeStruct((t, padded), x.dtype), coefficient_shape],
-        name=_layout.kernel_name("pre_forward" if mode == OWN_GATES else "pre_forward_carried", tile),
+        name=_layout.kernel_name("pre_forward" if mode is PreApply.OWN_GATES else "pre_forward_carried", tile),
         compiler_params=_layout.compiler_params("parallel"),
         # Spec: Minimum memory traffic, (n + 1) D e per token, plus the coefficients (and V4.1's
         # carried mix, 4 n bytes).
@@ -644,7 +661,9 @@ def run(config: Config, x, params: Params, carried, *, tile: int | None, interpr
             flops=int(flops),
             transcendentals=int(transcendentals),
             bytes_accessed=int(
-                t * (n + 1) * padded * x.dtype.itemsize + coefficient_bytes + (t * n * 4 if mode == CARRIED else 0)
+                t * (n + 1) * padded * x.dtype.itemsize
+                + coefficient_bytes
+                + (t * n * 4 if mode is PreApply.CARRIED else 0)
             ),
         ),
         interpret=interpret if interpret is not None else False,

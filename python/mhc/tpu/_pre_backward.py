@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mhc._config import Config, Params
+from mhc._config import Config, Params, PreApply
 from mhc.tpu import _layout, _pre
 
 _F32 = jnp.float32
@@ -514,7 +514,7 @@ def pre_backward(
     token tiles are split over (default: the device's, _layout.tensor_cores; docs/tpu.md)."""
     _check("mhc.tpu.pre_backward", config, _v4_cotangents(dlayer_in, dx_partial, dh_post, dh_res), x, params, tile)
     dx, _, *grads = _backward(
-        config, dlayer_in, dx_partial, None, dh_post, dh_res, x, _pre.OWN_GATES, params, tile, interpret, cores
+        config, dlayer_in, dx_partial, None, dh_post, dh_res, x, PreApply.OWN_GATES, params, tile, interpret, cores
     )
     return (dx, *grads)
 
@@ -545,22 +545,12 @@ def pre_backward_carried(
     cotangents = _v4_cotangents(dlayer_in, dx_partial, dh_post, dh_res)
     _check(operation, config, (*cotangents, ("dh_pre", dh_pre, lambda t, n, d: (t, n), _F32)), x, params, tile)
     _pre.check_carried(operation, carried, *x.shape[:2])
-    one_hot = carried.shape[1] == 0
+    mode = _pre.carried_mode(carried)
     dx, dcarried, *grads = _backward(
-        config,
-        dlayer_in,
-        dx_partial,
-        dh_pre,
-        dh_post,
-        dh_res,
-        x,
-        None if one_hot else carried,
-        params,
-        tile,
-        interpret,
-        cores,
+        config, dlayer_in, dx_partial, dh_pre, dh_post, dh_res, x, mode, params, tile, interpret, cores, carried=carried
     )
-    return (dx, jnp.zeros((x.shape[0], 0), _F32) if one_hot else dcarried, *grads)
+    # The target's contract: the one-hot's (absent) cotangent in the [T, 0] form of its carried.
+    return (dx, jnp.zeros((x.shape[0], 0), _F32) if mode is PreApply.ONE_HOT else dcarried, *grads)
 
 
 def coefficient_cotangents(config: Config, dh_pre, dh_post, dh_res, tile: int):
@@ -584,23 +574,25 @@ def _backward(
     dh_post,
     dh_res,
     x,
-    carried,
+    mode: PreApply,
     params,
     tile,
     interpret,
     cores,
+    *,
+    carried=None,
     partials=None,
     slices: int = 1,
 ):
-    """The pre backward for checked operands: (dx, dcarried or None, *parameter grads). carried:
-    OWN_GATES (V4: dh_pre None, computed in the kernel), None (V4.1's one-hot) or [T, n] f32.
-    partials: None, or the split form's finish (the all-reduced partials [T, N + 1] and dh_pre
-    given, D split over `slices` devices; no dcarried)."""
+    """The pre backward for checked operands: (dx, dcarried or None, *parameter grads). mode:
+    OWN_GATES (V4: dh_pre None, computed in the kernel), ONE_HOT, or CARRIED with `carried` the
+    mix [T, n] f32 (unread in the other modes). partials: None, or the split form's finish (the
+    all-reduced partials [T, N + 1] and dh_pre given, D split over `slices` devices; no dcarried)."""
     t, n, d = x.shape
     if t == 0:
-        dcarried = None if carried is _pre.OWN_GATES or carried is None else jnp.zeros((0, n), _F32)
+        dcarried = jnp.zeros((0, n), _F32) if mode is PreApply.CARRIED else None
         return (jnp.zeros(x.shape, x.dtype), dcarried) + tuple(jnp.zeros(np.shape(p), _F32) for p in params)
-    own_gates = carried is _pre.OWN_GATES
+    own_gates = mode is PreApply.OWN_GATES
     rows = _layout.logit_rows(n, config.mix)
     if tile is None:
         operation = "pre_backward" if own_gates else "pre_backward_carried"
@@ -618,8 +610,8 @@ def _backward(
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
     dh = coefficient_cotangents(config, dh_pre, dh_post, dh_res, tile)
     table_t = jnp.asarray(_pre._permutation_table(n).T) if config.mix == "permutations" else None
-    if not own_gates and carried is not None:
-        carried = _pre.carried_lanes(config, carried, tile)
+    # run's carried, as the kernel bodies take it: OWN_GATES, None for the one-hot, or the mix in lanes.
+    carried = _pre.body_carried(mode, _pre.carried_lanes(config, carried, tile) if mode is PreApply.CARRIED else None)
     if partials is not None:
         partials = _pre.partials_lanes(config, partials, tile)
     dx, dcarried, gram, dbias_rows, dalpha_rows = run(

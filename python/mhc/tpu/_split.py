@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from mhc._config import Config, Params
+from mhc._config import Config, Params, PreApply
 from mhc.tpu import _layout, _pre, _pre_backward
 
 _F32 = jnp.float32
@@ -108,9 +108,9 @@ def pre_forward_partials(config: Config, x, norm_weight, phi, *, tile: int | Non
     return _pre.partials_from_lanes(config, packed, t)
 
 
-def _forward_finish_kernel(*refs, config: Config, features: int, mode: str):
+def _forward_finish_kernel(*refs, config: Config, features: int, mode: PreApply):
     x_ref, partials_ref, *refs = refs
-    carried_ref = refs.pop(0) if mode == _pre.CARRIED else (None if mode == _pre.ONE_HOT else _pre.OWN_GATES)
+    carried_ref = _pre.pop_carried_ref(mode, refs)
     *finish_refs, layer_in_ref, coefficients_ref = refs
     rows = _layout.logit_rows(config.n, config.mix)
     logits = partials_ref[0:rows, :]
@@ -120,18 +120,12 @@ def _forward_finish_kernel(*refs, config: Config, features: int, mode: str):
     )
 
 
-def _forward_finish(config: Config, x, partials, carried, alpha, bias, *, slices: int, tile, interpret):
-    """pre_forward_finish for checked operands; carried as _pre.run's (OWN_GATES, None, [T, n])."""
+def _forward_finish(config: Config, x, partials, mode: PreApply, carried, alpha, bias, *, slices: int, tile, interpret):
+    """pre_forward_finish for checked operands; mode and carried as _pre.run's."""
     t, n, d = x.shape
-    mode = _pre.OWN_GATES if carried is _pre.OWN_GATES else (_pre.ONE_HOT if carried is None else _pre.CARRIED)
     if t == 0:
-        return (
-            jnp.zeros((0, d), x.dtype),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n), _F32),
-            jnp.zeros((0, n, n), _F32),
-        )
-    tile = tile or _pre.token_tile(config, d, x.dtype, carried=mode == _pre.CARRIED)
+        return _pre.empty_forward(x)
+    tile = tile or _pre.token_tile(config, d, x.dtype, carried=mode is PreApply.CARRIED)
     padded = _layout.padded_features(d)
     rows = _layout.logit_rows(n, config.mix)
     once = pl.Buffered(buffer_count=1)
@@ -141,7 +135,7 @@ def _forward_finish(config: Config, x, partials, carried, alpha, bias, *, slices
         pl.BlockSpec((tile, n, padded), per_tile),
         pl.BlockSpec((None, rows + _layout.SUBLANES, tile), per_tile),
     ]
-    if mode == _pre.CARRIED:
+    if mode is PreApply.CARRIED:
         operands.append(_pre.carried_lanes(config, carried, tile))
         in_specs.append(pl.BlockSpec((None, _layout.group_rows(n), tile), per_tile))
     finish_operands = list(_pre.scale_bias_columns(config, jnp.asarray(alpha, _F32), jnp.asarray(bias, _F32)))
@@ -150,7 +144,7 @@ def _forward_finish(config: Config, x, partials, carried, alpha, bias, *, slices
     operands += finish_operands
     in_specs += [pl.BlockSpec(a.shape, lambda i: (0, 0), pipeline_mode=once) for a in finish_operands]
     coefficient_spec, coefficient_shape = _pre.coefficient_output(config, t, tile)
-    name = "pre_forward_finish" if mode == _pre.OWN_GATES else "pre_forward_finish_carried"
+    name = "pre_forward_finish" if mode is PreApply.OWN_GATES else "pre_forward_finish_carried"
     layer_in, coefficients = pl.pallas_call(
         functools.partial(_forward_finish_kernel, config=config, features=d * slices, mode=mode),
         grid=(pl.cdiv(t, tile),),
@@ -187,7 +181,7 @@ def pre_forward_finish(config: Config, x, partials, alpha, bias, *, slices: int 
     _check_slices(operation, slices)
     _pre.check_tile("pre_forward_finish", tile)
     return _forward_finish(
-        config, x, partials, _pre.OWN_GATES, alpha, bias, slices=slices, tile=tile, interpret=interpret
+        config, x, partials, PreApply.OWN_GATES, None, alpha, bias, slices=slices, tile=tile, interpret=interpret
     )
 
 
@@ -205,8 +199,10 @@ def pre_forward_finish_carried(
     _check_scales(operation, config, alpha, bias)
     _check_slices(operation, slices)
     _pre.check_tile("pre_forward_finish_carried", tile)
-    mix = None if carried.shape[1] == 0 else carried
-    return _forward_finish(config, x, partials, mix, alpha, bias, slices=slices, tile=tile, interpret=interpret)
+    mode = _pre.carried_mode(carried)
+    return _forward_finish(
+        config, x, partials, mode, carried, alpha, bias, slices=slices, tile=tile, interpret=interpret
+    )
 
 
 def _backward_partials_kernel(dli_ref, x_ref, out_ref, *, n: int):
@@ -295,7 +291,7 @@ def pre_backward_finish(
         dh_post,
         dh_res,
         x,
-        _pre.OWN_GATES,
+        PreApply.OWN_GATES,
         params,
         tile,
         interpret,
@@ -341,11 +337,12 @@ def pre_backward_finish_carried(
         dh_post,
         dh_res,
         x,
-        None if carried.shape[1] == 0 else carried,
+        _pre.carried_mode(carried),
         params,
         tile,
         interpret,
         cores,
+        carried=carried,
         partials=partials,
         slices=slices,
     )

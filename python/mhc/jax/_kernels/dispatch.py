@@ -33,7 +33,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from mhc import _ffi
-from mhc._config import Config, Params
+from mhc._config import Config, Params, PreApply
 from mhc._jax_internals import check_vma
 from mhc._operations import OPERATIONS, output_specs
 from mhc.jax._partitioning import Operation, Plan, apply
@@ -178,6 +178,17 @@ def _sds(shape, dtype):
 # families' wrappers take as a keyword: ``carried``, the carried mix f32 [T, n] or [T, 0] for the
 # one-hot on stream 0 (the first sublayer), whose dcarried is [T, 0] too; for the boundary
 # ``h_pre``, sublayer l's, which the next sublayer's pre-apply reads. None: V4's kernel.
+
+
+def carried_operand(pre_apply: PreApply, x, carried):
+    """The carried operand of the V4.1 pre targets for a mode (CARRIED or ONE_HOT, from
+    PreApply.of at the top of the public call): the mix, or for the one-hot an f32 [..., 0] array,
+    the form the C++ operations take for it (include/mhc/ops.h). Made here only."""
+    if pre_apply is PreApply.CARRIED:
+        return carried
+    if pre_apply is not PreApply.ONE_HOT:
+        raise ValueError(f"pre_apply: expected PreApply.CARRIED or PreApply.ONE_HOT, got {pre_apply!r}")
+    return jnp.zeros((*x.shape[:-2], 0), _F32)
 
 
 def _target(v4_target: str, carried) -> str:
