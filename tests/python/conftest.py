@@ -16,7 +16,6 @@ import mhc.jax as mj
 import numpy_reference
 from mhc.jax import _kernels
 
-
 # Single parametrized cases over the slow rule (pyproject.toml, markers: over 5 s of CPU at -n 0)
 # whose sibling cases are under it, so the test function itself is not marked. Measured on a quiet
 # machine with the cpu_time plugin (docs/testing.md, "Fast tier"). A case listed here that no
