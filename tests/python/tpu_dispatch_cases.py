@@ -155,8 +155,7 @@ def check_d_split(seed):
     partials, the psum, finish), under plain jax.jit (x sharded over D; the partitioning rules
     pick the split) and inside jax.shard_map with tensor_axis: V4's and V4.1's pre -> post, the
     values and the VJP (dx, dcarried, every parameter), each within the spec's f32 bound of one
-    device's TPU path (V4 alone over 4 devices only). Over 2 devices also a chain of two
-    sublayers (_chain_program)."""
+    device's TPU path. Over 2 devices also a chain of two sublayers (_chain_program)."""
     keys = jax.random.split(jax.random.key(seed + 1), 6)
     x = jax.random.normal(keys[0], SPLIT_SHAPE)
     carried = jax.random.uniform(keys[1], SPLIT_SHAPE[:-2] + SPLIT_SHAPE[2:3], minval=0.5, maxval=1.5)
@@ -169,10 +168,7 @@ def check_d_split(seed):
             cotangents = (dout, dh_pre) if config.pre_from_previous else (dout,)
             run = functools.partial(_split_program, config, None)
             want = jax.jit(functools.partial(_values_and_vjp, run))((x, carried, params), cotangents)
-            # V4 over 2 devices runs in its chain (_check_chain: the split forms under jit and in
-            # shard_map, every gradient); alone, over 4. V4.1's pre has its own h_pre output and
-            # cotangent, which the chain does not have: alone over 2 and 4.
-            for devices in (2, 4) if config.pre_from_previous else (4,):
+            for devices in (2, 4):
                 mesh = Mesh(jax.devices()[:devices], ("tensor",))
                 x_split = jax.device_put(x, NamedSharding(mesh, d_spec))
                 replicated = jax.device_put((carried, params), NamedSharding(mesh, P()))
