@@ -902,7 +902,10 @@ def python_stage(tests=tuple(PYTHON_TESTS)) -> tuple[bool, str]:
     )
     path = os.pathsep.join((str(TREE / "python"), str(site)))
     env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
-    command = [str(VENV_PYTHON), "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests]
+    # Without hypothesis's pytest plugin: importing it costs each of these pytest processes about
+    # 1.5 s of CPU, and the one hypothesis test (test_properties.py) sets its own settings.
+    plugins = ["-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+    command = [str(VENV_PYTHON), "-m", "pytest", "-q", "-x", *plugins, *tests]
     result = run(command, cwd=TREE, env=env)
     if result.returncode == 0:
         return True, ""

@@ -929,6 +929,17 @@ LAYOUTS = {
     "axis of size 1": ((8, 1), ("data", "tensor"), P("data", None, None, "tensor")),
 }
 
+# Shardy's (mix, dtype) pairs per layout: every layout sees both mixes (the projection width N, 24
+# or 32, is all a mix changes in the partitioning: the partials' [tokens, N + 1] and dphi's rows)
+# and both dtypes, and every pair runs on two or three layouts. The rules read neither the mix nor
+# the dtype, so the four pairs on every layout (20 checks, 40 compiles) repeated the same
+# partitioning; the pairs alternate between layouts.
+_PAIRS = (
+    (("sinkhorn", jnp.float32), ("permutations", jnp.bfloat16)),
+    (("sinkhorn", jnp.bfloat16), ("permutations", jnp.float32)),
+)
+LAYOUT_CASES = {label: _PAIRS[index % 2] for index, label in enumerate(LAYOUTS)}
+
 
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
@@ -949,10 +960,14 @@ if __name__ == "__main__":
     # GSPMD (deprecated in JAX, kept while this jax has it) runs every layout and check once, for
     # Sinkhorn in f32; Shardy, the default, runs both mixes and both dtypes.
     full = partitioner == "shardy"
-    for mix in ("sinkhorn", "permutations") if full else ("sinkhorn",):
-        for dtype in (jnp.float32, jnp.bfloat16) if full else (jnp.float32,):
-            for label, (mesh_shape, names, spec) in LAYOUTS.items():
+    if full:  # each layout with both mixes and both dtypes, in two of the four pairs (LAYOUT_CASES)
+        for label, (mesh_shape, names, spec) in LAYOUTS.items():
+            for mix, dtype in LAYOUT_CASES[label]:
                 check(label, mesh_shape, names, spec, mix, dtype, seed)
+    else:
+        for label, (mesh_shape, names, spec) in LAYOUTS.items():
+            check(label, mesh_shape, names, spec, "sinkhorn", jnp.float32, seed)
+    for mix in ("sinkhorn", "permutations") if full else ("sinkhorn",):
         check_padded_and_gathered(mix, seed)
     check_no_raw_custom_call(seed)
     check_boundary_chain(seed)

@@ -77,6 +77,7 @@ def test_bad_input_raises_before_any_call():
         mj.post(jnp.ones((3, 8)), (x, None, None))
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_vmap_over_a_batch_axis(seed):
     config = mj.Config(n=3, sinkhorn_iters=3, pre_eps=0.1, sinkhorn_eps=0.05, rms_eps=0.5, post_scale=1.3)
     params = random_params(jax.random.key(seed), config, 6)
@@ -121,6 +122,7 @@ def _train_float64(state, x, target, config, steps, noise=None):
     return np.array(losses)
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_training_a_sublayer_matches_the_reference(seed):
     """pre -> RMSNorm -> 2-layer MLP -> post, SGD for a few steps, kernel and plain JAX each
     against the same run in float64 (the one accuracy rule on the loss history)."""

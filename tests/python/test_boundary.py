@@ -73,6 +73,7 @@ def test_chain_agrees_with_the_plain_path(seed, mix):
         assert_chain_matches(got, x, sublayers, cotangent, f"(use_kernel={use_kernel}, seed {seed})")
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_fused_calls_only_on_the_kernel_path():
     config = mj.Config(n=4)
     x, params, branches = _problem(0, config, jnp.float32)

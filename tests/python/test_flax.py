@@ -116,6 +116,7 @@ def test_load_params_checks_what_it_is_given(seed):
         head.load_params(mj.init_head_params(jax.random.key(0), config, d + 1))
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_mixes_are_sown_when_asked_and_read_under_nnx_jit(seed):
     """H_res is sown as nnx.Intermediate "h_res" by a view with sow_mixes=True, collected with
     nnx.capture under nnx.jit (whole layers and chains alike); without it nothing is stored."""
@@ -174,6 +175,7 @@ class Stack(nnx.Module):
         return mj.finish(state)
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_chain_equals_whole_layers_and_scans(seed):
     """chain over 4 layers: the same bits as calling each layer whole (values and gradients), and
     the same values under nnx.scan over stacked layers with nnx.remat."""

@@ -59,6 +59,7 @@ def _hyper_connections_formulas(x, p, weight):
     return np.einsum("tij,tid->tjd", h_res, x64) + h_post[:, :, None] * layer_out[:, None, :]
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_hc_mixes_are_unconstrained_and_mhc_mixes_doubly_stochastic(seed):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((6, 4, 8)), jnp.float32)
@@ -80,6 +81,7 @@ def test_hc_mixes_are_unconstrained_and_mhc_mixes_doubly_stochastic(seed):
     assert column_error["hc"] > 0.1, column_error
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_every_residual_starts_from_the_same_sublayer_weights(seed):
     def sublayer_weights(residual):
         model = Transformer(ModelConfig(**TINY, residual=residual, use_kernel=False), rngs=nnx.Rngs(seed))
@@ -121,6 +123,7 @@ def test_bad_configs_are_rejected():
     assert jax.tree.leaves(nnx.state(HyperConnections(2, 4, 0), nnx.Param))
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 @pytest.mark.parametrize("residual,fuse_boundaries", [("mhc", True), ("mhc-lite", False)])
 def test_recompute_gives_the_gradients_and_mixes_of_keeping_every_stream(seed, residual, fuse_boundaries, monkeypatch):
     monkeypatch.setattr(mj, "_cpu_scheduler_warned", True)  # the scheduler is not what this checks

@@ -106,6 +106,7 @@ def _quiet_cpu_scheduler_warning(monkeypatch):
     monkeypatch.setattr(mj, "_cpu_scheduler_warned", True)
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 @pytest.mark.parametrize("fused", [True, False], ids=["boundary", "pre-post"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_gradients_with_recompute_are_the_bits_without(seed, dtype, fused):
@@ -318,6 +319,7 @@ def _subprocess_cases(seed=0):
     print("recompute subprocess: ok")
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_the_models_attention_is_jaxs_and_keeps_one_score_array(seed):
     """mhc.models' causal_attention: jax.nn.dot_product_attention's values and gradients, its
     backward keeping the probabilities as its one [B, H, S, S] residual (what lets recompute

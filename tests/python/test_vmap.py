@@ -135,6 +135,7 @@ def _assert_value_and_grads_match(results: dict, xs, params, head, seed):
             _assert_matches_oracle(got, xs[e], params_e, head, f"{label} example {e} (seed {seed})")
 
 
+@pytest.mark.slow  # over 5 s of CPU at -n 0 (pyproject.toml, markers; docs/testing.md, Fast tier)
 def test_nested_vmap(seed):
     x, params, head = _problem(seed, batch_shape=(2, B))
     inner = jax.vmap(jax.value_and_grad(_loss, argnums=(0, 1)), in_axes=(0, None, None))
