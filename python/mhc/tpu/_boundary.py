@@ -33,11 +33,17 @@ from mhc.tpu import _layout, _post, _pre, _pre_backward
 _F32 = jnp.float32
 
 
-def _forward_kernel(*refs, config: Config, features: int, carried: bool):
-    """carried: V4.1's boundary, whose h_pre of l ((G, tile), after h_res) is l+1's carried mix."""
-    x_ref, layer_out_ref, h_post_ref, h_res_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
+def _forward_kernel(*refs, config: Config, features: int, carried: bool, pairs: bool = False):
+    """carried: V4.1's boundary, whose h_pre of l ((G, tile), after the post's coefficients) is
+    l+1's carried mix. pairs (_post_pairs): the post's coefficients are one mix block [2 tile, 10]
+    (_post._bf16_pairs_mix), not h_post and h_res."""
+    x_ref, layer_out_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
+    post_refs = [parameters.pop(0) for _ in range(1 if pairs else 2)]
     carried_ref = parameters.pop(0) if carried else _pre.OWN_GATES
-    _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
+    if pairs:
+        _post_pairs(x_ref, layer_out_ref, post_refs[0], x_next_ref)
+    else:
+        _post._forward_kernel(x_ref, layer_out_ref, *post_refs, x_next_ref, n=config.n)
     _pre.pre_body(
         x_next_ref,
         parameters,
@@ -47,6 +53,29 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool):
         features=features,
         carried_ref=carried_ref,
     )
+
+
+def _pairs(n: int, dtype, layer_out_dtype) -> bool:
+    """Whether the fused forward's post runs post_forward's bf16 n = 4 kernel on x's own layout
+    (_post._bf16_pairs_forward_kernel: no relayout per stream, no (tile, Dp) f32 value live)."""
+    return n == 4 and jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(layer_out_dtype) == jnp.bfloat16
+
+
+def _post_pairs(x_ref, layer_out_ref, mix_ref, x_next_ref):
+    """x_{l+1} by post_forward's bf16 pairs kernel, over the feature chunks post_forward takes (a
+    Python loop: each chunk its own token loop, the loop post_forward's estimate measured): the
+    same products, sums and rounding, the same bits as post_forward."""
+    padded = x_ref.shape[2]
+    chunk = _layout.feature_chunk(padded)
+    for c in range(padded // chunk):
+        chunk_lanes = pl.ds(c * chunk, chunk)
+        _post._bf16_pairs_forward_kernel(
+            x_ref.at[:, :, chunk_lanes],
+            layer_out_ref.at[:, chunk_lanes],
+            mix_ref,
+            x_next_ref.at[:, :, chunk_lanes],
+            rows=_post._PAIR_ROWS,
+        )
 
 
 def forward_tile(
@@ -132,16 +161,17 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
     coefficient_spec, coefficient_shape = _pre.coefficient_output(config, t, tile)
     flops, transcendentals, coefficient_bytes = _pre.coefficient_cost(config, t, padded)
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
+    pairs = _pairs(n, x.dtype, layer_out.dtype)
+    if pairs:
+        post_coefficients = [_post._bf16_pairs_mix(h_post, h_res)]
+        post_specs = [pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda i: (i, 0))]
+    else:
+        post_coefficients = [h_post, h_res.reshape(t, n * n)]
+        post_specs = [pl.BlockSpec((tile, n), lambda i: (i, 0)), pl.BlockSpec((tile, n * n), lambda i: (i, 0))]
     x_next, layer_in, coefficients = pl.pallas_call(
-        functools.partial(_forward_kernel, config=config, features=d, carried=carried),
+        functools.partial(_forward_kernel, config=config, features=d, carried=carried, pairs=pairs),
         grid=(pl.cdiv(t, tile),),
-        in_specs=[
-            streams,
-            features,
-            pl.BlockSpec((tile, n), lambda i: (i, 0)),
-            pl.BlockSpec((tile, n * n), lambda i: (i, 0)),
-            *parameter_specs,
-        ],
+        in_specs=[streams, features, *post_specs, *parameter_specs],
         out_specs=[streams, features, coefficient_spec],
         out_shape=[
             jax.ShapeDtypeStruct((t, n, padded), x.dtype),
@@ -165,8 +195,7 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
     )(
         _layout.pad_features(x, padded),
         _layout.pad_features(layer_out, padded),
-        h_post,
-        h_res.reshape(t, n * n),
+        *post_coefficients,
         *parameters,
     )
     return (x_next[:, :, :d], layer_in[:, :d], *_pre.split_coefficients(config, coefficients, t))
