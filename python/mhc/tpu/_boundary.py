@@ -216,8 +216,8 @@ def _backward_kernel(
     l+1's dcarried. Runs only at the grid steps that hold a token tile (split)."""
     refs = list(refs)
     dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
-    weight_ref, scale_ref, bias_ref = refs[7:10]
-    refs = refs[10:]
+    weight_ref, scale_ref, bias_ref, projection_ref = refs[7:11]
+    refs = refs[11:]
     table_t_ref = refs.pop(0) if permutations else None
     carried_ref = refs.pop(0) if carried else _pre.OWN_GATES
     dx_partial_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, gram_ref, dbias_ref, dalpha_ref = refs[:7]
@@ -260,6 +260,7 @@ def _backward_kernel(
             split=split,
             carried_ref=carried_ref,
             dcarried_ref=dh_pre_ref,
+            projection_ref=projection_ref,
         )
         lanes = pl.ds(pl.multiple_of(chunk_index * chunk, _layout.LANES), chunk)
         _post._backward_kernel(
@@ -297,14 +298,19 @@ def backward_tile(
     # h_post, h_res in and dh_post, dh_res out (tokens in the sublanes, 128 lanes), dh of l+1.
     per_token += 4 * 2 * _layout.round_up(n * n, _layout.LANES) * 4 + 2 * (1 + n) * g * 4
     # f32 temporaries: the post's n streams and its sum over a whole token, the pre backward's
-    # four of a stream; the Sinkhorn steps and the column pack, the logits.
-    per_token += (n + 1 + 4) * padded * 4 + (n + 3) * chunk * 4
+    # streamed passes (_pre_backward.streamed_bytes_per_token); the Sinkhorn steps and the column
+    # pack, the logits.
+    per_token += (n + 1) * padded * 4 + (n + 3) * chunk * 4
+    per_token += _pre_backward.streamed_bytes_per_token(n, rows, n * config.projection_width, chunk)
     iterations = 2 * config.sinkhorn_iters if config.mix == "sinkhorn" else 0
     per_token += (iterations * n * g + _layout.round_up(rows + g + _layout.SUBLANES, _layout.LANES) + 8 * rows) * 4
     # V4.1: l+1's dH_pre group, h_pre of l in and its cotangent out, G f32 rows each, double-buffered.
     per_token += 2 * 3 * g * 4 if carried else 0
     # The weight (single-buffered) and the gradient accumulator (rows, n Dp) with its columns.
+    # (parameter_bytes counts the larger of the transposed weight and the stacked projection
+    # operand; the backward holds both.)
     fixed = _pre.parameter_bytes(config, padded) + 2 * (rows * n * padded + 2 * rows * _layout.LANES) * 4
+    fixed += _pre.stacked_bytes(n, config.projection_width, padded, rows)
     return _layout.choose_token_tile(
         "boundary_backward", per_token, fixed, _layout.vmem_budget(capacity or _layout.chip_vmem())
     )
@@ -409,7 +415,7 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     chunk = _layout.feature_chunk(padded)
     rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
-    parameters = [weight, scale, bias]
+    parameters = [weight, scale, bias, _pre.stacked_projection(config, params, d, padded)]
     if config.mix == "permutations":
         parameters.append(jnp.asarray(_pre._permutation_table(n).T))
     dh_next = _pre_backward.coefficient_cotangents(config, dh_pre_next, dh_post_next, dh_res_next, tile)
