@@ -301,7 +301,7 @@ def backward_tile(
     # streamed passes (_pre_backward.streamed_bytes_per_token); the Sinkhorn steps and the column
     # pack, the logits.
     per_token += (n + 1) * padded * 4 + (n + 3) * chunk * 4
-    per_token += _pre_backward.streamed_bytes_per_token(n, rows, n * config.projection_width, chunk)
+    per_token += _pre_backward.streamed_bytes_per_token(n, rows, n * config.projection_width, chunk, padded, size)
     iterations = 2 * config.sinkhorn_iters if config.mix == "sinkhorn" else 0
     per_token += (iterations * n * g + _layout.round_up(rows + g + _layout.SUBLANES, _layout.LANES) + 8 * rows) * 4
     # V4.1: l+1's dH_pre group, h_pre of l in and its cotangent out, G f32 rows each, double-buffered.

@@ -103,6 +103,8 @@ def _permutations_backward(config: Config, logits, dh_res, table_t_ref):
 # contraction depth of v6e's MXU, two of v5e's) and tokens per step of those that run on the VPU.
 _STREAM_LANES = 2 * _layout.LANES
 _STREAM_TOKENS = 64
+# _stream_major's window at bf16 n = 4: 16 tokens (one packed bf16 vreg a stream) by 128 lanes.
+_PAIRS_TOKENS = 16
 # Tokens per step of the loop that writes dx (a few vregs per stream at 512 lanes).
 _DX_TOKENS = 32
 # The three bf16 terms (hi, mid, lo) of an f32 value: together its 24 bits (spec: Precision policy).
@@ -137,13 +139,50 @@ def _flat_steps(padded: int, tile: int, tokens: int):
     return padded // chunk * groups, decode
 
 
-def _streamed_stream_dots(x_ref, dli_ref, n: int):
+def _stream_major(x_ref, streams_ref, n: int):
+    """streams_ref [n, tile, Dp] (x's dtype) = x_ref [tile, n, Dp] with the streams in front, so
+    the passes after it read each stream in the dtype's own tiles (no relayout per use). bf16 at
+    n = 4: the block's 32-bit words, 16 tokens x 128 lanes at a time (_pre._pairs_streams: two
+    sublane-strided loads and a shift or a mask, exact), rounded back to bf16 (exact). Otherwise
+    x_ref[:, k, lanes] per lane chunk (a relayout, once)."""
+    tile, padded = x_ref.shape[0], x_ref.shape[2]
+    if not _pre._rows_view(n, x_ref.dtype):
+        chunk = _stream_lanes(padded)
+
+        def copy(c, carry):
+            lanes = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+            for k in range(n):
+                streams_ref[k, :, lanes] = x_ref[:, k, lanes]
+            return carry
+
+        jax.lax.fori_loop(0, padded // chunk, copy, 0)
+        return
+    rows = min(_PAIRS_TOKENS, tile)
+    windows = tile // rows
+
+    def with_pairs(pairs_ref):
+        def window(i, carry):
+            # (lane tile, token window) pairs in one loop (shifts: powers of 2)
+            lanes = pl.ds(
+                pl.multiple_of((i >> (windows.bit_length() - 1)) * _layout.LANES, _layout.LANES), _layout.LANES
+            )
+            tokens = pl.ds(pl.multiple_of((i & (windows - 1)) * rows, rows), rows)
+            for k, stream in enumerate(_pre._pairs_streams(x_ref, pairs_ref, tokens, lanes, rows)):
+                streams_ref[k, tokens, lanes] = stream.astype(streams_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, padded // _layout.LANES * windows, window, 0, unroll=2)
+
+    pl.run_scoped(with_pairs, pltpu.VMEM((2 * rows, _layout.LANES), jnp.uint32))
+
+
+def _streamed_stream_dots(streams_ref, dli_ref, n: int):
     """(G, tile) f32: row k = sum over the lanes of x_ref[:, k, :] * dli_ref (V4's dH_pre from
     dlayer_in, V4.1's dcarried), streamed: per (lane chunk, token group) the products folded over
     the 128-lane groups add into VMEM (no (tile, Dp) f32 value live), then one ones product per
     stream at full f32 precision sums the last 128 lanes with the tokens in the lanes. The padded
     lanes are zero and add nothing."""
-    g, tile, padded = _layout.group_rows(n), x_ref.shape[0], x_ref.shape[2]
+    g, tile, padded = _layout.group_rows(n), streams_ref.shape[1], streams_ref.shape[2]
     steps, decode = _flat_steps(padded, tile, _STREAM_TOKENS)
 
     def accumulate(sums_ref):
@@ -153,7 +192,7 @@ def _streamed_stream_dots(x_ref, dli_ref, n: int):
             lanes, tokens = decode(i)
             dli = dli_ref[tokens, lanes].astype(_F32)
             for k in range(n):
-                product = x_ref[tokens, k, lanes].astype(_F32) * dli
+                product = streams_ref[k, tokens, lanes].astype(_F32) * dli
                 folded = functools.reduce(
                     jnp.add,
                     [product[:, j * _layout.LANES : (j + 1) * _layout.LANES] for j in range(product.shape[1] // 128)],
@@ -175,7 +214,7 @@ def _streamed_stream_dots(x_ref, dli_ref, n: int):
     return pl.run_scoped(accumulate, pltpu.VMEM((n, tile, _layout.LANES), _F32))
 
 
-def _streamed_gram(gram_ref, dp, x_ref, valid_tokens, n: int):
+def _streamed_gram(gram_ref, dp, streams_ref, valid_tokens, n: int):
     """gram_ref (rows, n Dp) += dp (rows, tile) x_k (tile, Dp) for every stream k (the projection
     gradient before the norm weight; the tokens past valid_tokens, whatever their memory holds,
     count as zero), streamed over lane chunks of x. bf16 x: dp's three bf16 terms stacked on the
@@ -183,9 +222,9 @@ def _streamed_gram(gram_ref, dp, x_ref, valid_tokens, n: int):
     f32 accuracy, x exact), then hi + (mid + lo); half the MXU passes of precision=HIGHEST, which
     also splits x. f32 x: dp times x_k at HIGHEST."""
     rows, tile = dp.shape
-    padded = x_ref.shape[2]
+    padded = streams_ref.shape[2]
     chunk = _stream_lanes(padded)
-    bf16 = x_ref.dtype == jnp.bfloat16
+    bf16 = streams_ref.dtype == jnp.bfloat16
     sublane_valid = jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < valid_tokens
 
     def accumulate(terms_ref):
@@ -197,7 +236,7 @@ def _streamed_gram(gram_ref, dp, x_ref, valid_tokens, n: int):
         def step(c, carry):
             start = pl.multiple_of(c * chunk, chunk)
             for k in range(n):
-                stream = jnp.where(sublane_valid, x_ref[:, k, pl.ds(start, chunk)], 0)
+                stream = jnp.where(sublane_valid, streams_ref[k, :, pl.ds(start, chunk)], 0)
                 if bf16:
                     product = jnp.dot(terms_ref[...], stream, preferred_element_type=_F32)
                     product = product[0:rows] + (product[rows : 2 * rows] + product[2 * rows :])
@@ -305,8 +344,8 @@ def backward_body(
         dbias_ref[...] = jnp.zeros_like(dbias_ref)
         dalpha_ref[...] = jnp.zeros_like(dalpha_ref)
 
-    @pl.when(c == 0)
-    def _coefficient_step():
+    def _coefficients(streams_ref):
+        _stream_major(x_ref, streams_ref, n)
         if partials_ref is None:
             logits, squares = _pre.streamed_sums(x_ref, projection_ref, n=n)
             r = _pre.inverse_rms(squares, n * features, config.rms_eps)
@@ -323,7 +362,7 @@ def backward_body(
             dh_pre, dh = dh[0:g], dh[g:]
         if not given_dh_pre or dcarried_ref is not None:
             # sum_d x_k dli: V4's dH_pre, V4.1's dcarried.
-            mixed = _streamed_stream_dots(x_ref, dli_ref, n)
+            mixed = _streamed_stream_dots(streams_ref, dli_ref, n)
             if not given_dh_pre:
                 dh_pre = mixed
             else:
@@ -347,7 +386,7 @@ def backward_body(
         dz = scale * da
         dp = jnp.where(lane_valid, r * dz, 0.0)
         dr = jnp.sum(dz * logits, axis=0, keepdims=True)
-        _streamed_gram(gram_ref, dp, x_ref, valid_tokens, n)
+        _streamed_gram(gram_ref, dp, streams_ref, valid_tokens, n)
         x_coefficient = jnp.broadcast_to(dr * r * r * r / (n * features), (_TOKEN_SCALARS, tile))
         # The pre-apply's weights of dx = ... + H_pre dli: the gates, or V4.1's carried mix.
         if own_gates:
@@ -357,6 +396,10 @@ def backward_body(
         else:
             pre_apply_weights = carried_ref[...]
         columns_ref[...] = jnp.concatenate([dp, pre_apply_weights, x_coefficient], axis=0).T
+
+    @pl.when(c == 0)
+    def _coefficient_step():
+        pl.run_scoped(_coefficients, pltpu.VMEM((n, tile, padded), x_ref.dtype))
 
     start = pl.multiple_of(c * chunk, _layout.LANES)
     window = min(_DX_TOKENS, tile)
@@ -417,7 +460,7 @@ def backward_tile(
     chunk_streams = (1 if gates_only else 2) * 2 * streams * chunk * size
     width = n * (n if gates_only else config.projection_width)
     per_token = 2 * streams * padded * size + 2 * padded * size + chunk_streams + 3 * chunk * 4
-    per_token += streamed_bytes_per_token(n, rows, width, chunk)
+    per_token += streamed_bytes_per_token(n, rows, width, chunk, padded, size)
     steps = 2 * config.sinkhorn_iters * n * g if not gates_only and config.mix == "sinkhorn" else 0
     pack = _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES)
     per_token += 4 * (pack + 8 * rows + 2 * (1 + n) * g)
@@ -436,13 +479,14 @@ def backward_tile(
     return _layout.choose_token_tile(operation, per_token + 4 * steps, fixed, budget)
 
 
-def streamed_bytes_per_token(n: int, rows: int, width: int, chunk: int) -> int:
+def streamed_bytes_per_token(n: int, rows: int, width: int, chunk: int, padded: int, size: int) -> int:
     """VMEM per token of backward_body's streamed passes (scoped, so the compiler may reuse them,
-    counted apart): the projection's accumulators (_pre.streamed_sums: n rows of the n N = `width`
-    products and of 128 squares), dH_pre's folded sums (n x 128), dP's three bf16 terms and dx's
-    products of a chunk (n x chunk f32)."""
+    counted apart): x with the streams in front (_stream_major: n Dp of x's `size`), the
+    projection's accumulators (_pre.streamed_sums: n rows of the n N = `width` products and of 128
+    squares), dH_pre's folded sums (n x 128), dP's three bf16 terms and dx's products of a chunk
+    (n x chunk f32)."""
     projection = n * (_layout.round_up(width, _layout.LANES) + _layout.LANES) * 4
-    return projection + n * _layout.LANES * 4 + _TERMS * rows * 2 + n * chunk * 4
+    return n * padded * size + projection + n * _layout.LANES * 4 + _TERMS * rows * 2 + n * chunk * 4
 
 
 def _check(operation: str, config: Config, cotangents, x, params: Params, tile):
