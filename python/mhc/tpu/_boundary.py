@@ -210,14 +210,18 @@ def _backward_kernel(
     permutations: bool,
     carried: bool,
     split: _layout.CoreSplit,
+    pairs: bool = False,
 ):
     """carried: V4.1's boundary: h_pre of l ((G, tile), after the parameters) is l+1's carried mix,
     dh_next starts with l+1's dH_pre group, and dh_pre of l ((G, tile), after dalpha) receives
-    l+1's dcarried. Runs only at the grid steps that hold a token tile (split)."""
+    l+1's dcarried. pairs (_pairs): the post's mix block [2 tile, 10] follows the projection
+    operand, and x_{l+1} is recomputed by post_forward's bf16 pairs kernel. Runs only at the grid
+    steps that hold a token tile (split)."""
     refs = list(refs)
     dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
     weight_ref, scale_ref, bias_ref, projection_ref = refs[7:11]
     refs = refs[11:]
+    mix_ref = refs.pop(0) if pairs else None
     table_t_ref = refs.pop(0) if permutations else None
     carried_ref = refs.pop(0) if carried else _pre.OWN_GATES
     dx_partial_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, gram_ref, dbias_ref, dalpha_ref = refs[:7]
@@ -235,7 +239,10 @@ def _backward_kernel(
         # bits the forward stored.
         @pl.when(chunk_index == 0)
         def _recompute():
-            _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
+            if pairs:
+                _post_pairs(x_ref, layer_out_ref, mix_ref, x_next_ref)
+            else:
+                _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
 
         # The pre backward of l+1 writes this chunk of dx_{l+1} (in x's dtype, as the separate
         # calls store it) into g_ref: the cotangent of post l's output, never stored in HBM.
@@ -416,6 +423,9 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
     parameters = [weight, scale, bias, _pre.stacked_projection(config, params, d, padded)]
+    pairs = _pairs(n, x.dtype, layer_out.dtype)
+    if pairs:
+        parameters.append(_post._bf16_pairs_mix(h_post, h_res))
     if config.mix == "permutations":
         parameters.append(jnp.asarray(_pre._permutation_table(n).T))
     dh_next = _pre_backward.coefficient_cotangents(config, dh_pre_next, dh_post_next, dh_res_next, tile)
@@ -430,6 +440,8 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     single = pl.Buffered(buffer_count=1)
     resident = lambda *step: (0, 0)  # noqa: E731
     parameter_specs = [pl.BlockSpec(p.shape, resident, pipeline_mode=single) for p in parameters]
+    if pairs:  # the post's mix: a block per token tile
+        parameter_specs[4] = pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda *step: (split.tile_block(*step), 0))
     per_tile = pl.BlockSpec((None, g, tile), lambda *step: (split.tile_block(*step), 0, 0))
     if carried:
         parameters.append(_pre.carried_lanes(config, h_pre, tile))
@@ -450,6 +462,7 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
             permutations=config.mix == "permutations",
             carried=carried,
             split=split,
+            pairs=pairs,
         ),
         grid=split.grid,
         in_specs=[

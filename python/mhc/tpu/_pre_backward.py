@@ -4,14 +4,17 @@ mode, by lowering to Mosaic and by compiling for v5e/v6e, never run on a chip).
 Grid (cores, token tiles per core, feature chunks: _layout.CoreSplit), the cores in parallel,
 the rest sequential. The x block is the whole tile [tile, n, Dp] (its index does not change over
 the chunks, so it is read from HBM once per tile); at the first
-chunk the kernel recomputes the forward's coefficients from it (_pre's projection, gates and
-Sinkhorn, every Sinkhorn step kept in VMEM), runs the spec's backward through the gates, the
+chunk the kernel recomputes the forward's coefficients from it (_pre's streamed projection, gates
+and Sinkhorn, every Sinkhorn step kept in VMEM), runs the spec's backward through the gates, the
 Sinkhorn steps or the permutation softmax and the RMS statistic with the tokens in the lanes, and
 adds this tile's share of the parameter gradients to its core's output blocks, which stay
 resident over the core's steps (so they are summed tile after tile, then over the cores in core
 order: a fixed order, bitwise reproducible; with one core, the tiles in order). Every
 chunk then writes its lanes of dx = dx_partial + H_pre dli + dP W - dr r^3 x / M, with dx_partial
 and dx in [tile, n, chunk] blocks (whole ones would not fit VMEM in bf16 at D = 2048).
+Every pass over x streams through lane chunks or token windows, no (tile, Dp) f32 value live;
+the f32-accurate MXU products split their f32 operands into three bf16 terms (docs/tpu.md, "The
+backwards streamed through the features").
 
 The same body runs DeepSeek-V4's head backward (mhc.tpu._head): the pre gates only, no dx_partial;
 and DeepSeek-V4.1's pre_backward_carried (spec: Single-pass schedule; unverified on TPU hardware
@@ -106,7 +109,7 @@ _STREAM_TOKENS = 64
 # _stream_major's window at bf16 n = 4: 16 tokens (one packed bf16 vreg a stream) by 128 lanes.
 _PAIRS_TOKENS = 16
 # Tokens per step of the loop that writes dx (a few vregs per stream at 512 lanes).
-_DX_TOKENS = 32
+_DX_TOKENS = 16
 # The three bf16 terms (hi, mid, lo) of an f32 value: together its 24 bits (spec: Precision policy).
 _TERMS = 3
 
