@@ -142,7 +142,7 @@ def _flat_steps(padded: int, tile: int, tokens: int):
     return padded // chunk * groups, decode
 
 
-def _stream_major(x_ref, streams_ref, n: int):
+def _stream_major(x_ref, streams_ref, pairs_ref, n: int):
     """streams_ref [n, tile, Dp] (x's dtype) = x_ref [tile, n, Dp] with the streams in front, so
     the passes after it read each stream in the dtype's own tiles (no relayout per use). bf16 at
     n = 4: the block's 32-bit words, 16 tokens x 128 lanes at a time (_pre._pairs_streams: two
@@ -163,23 +163,18 @@ def _stream_major(x_ref, streams_ref, n: int):
     rows = min(_PAIRS_TOKENS, tile)
     windows = tile // rows
 
-    def with_pairs(pairs_ref):
-        def window(i, carry):
-            # (lane tile, token window) pairs in one loop (shifts: powers of 2)
-            lanes = pl.ds(
-                pl.multiple_of((i >> (windows.bit_length() - 1)) * _layout.LANES, _layout.LANES), _layout.LANES
-            )
-            tokens = pl.ds(pl.multiple_of((i & (windows - 1)) * rows, rows), rows)
-            for k, stream in enumerate(_pre._pairs_streams(x_ref, pairs_ref, tokens, lanes, rows)):
-                streams_ref[k, tokens, lanes] = stream.astype(streams_ref.dtype)
-            return carry
+    def window(i, carry):
+        # (lane tile, token window) pairs in one loop (shifts: powers of 2)
+        lanes = pl.ds(pl.multiple_of((i >> (windows.bit_length() - 1)) * _layout.LANES, _layout.LANES), _layout.LANES)
+        tokens = pl.ds(pl.multiple_of((i & (windows - 1)) * rows, rows), rows)
+        for k, stream in enumerate(_pre._pairs_streams(x_ref, pairs_ref, tokens, lanes, rows)):
+            streams_ref[k, tokens, lanes] = stream.astype(streams_ref.dtype)
+        return carry
 
-        jax.lax.fori_loop(0, padded // _layout.LANES * windows, window, 0, unroll=2)
-
-    pl.run_scoped(with_pairs, pltpu.VMEM((2 * rows, _layout.LANES), jnp.uint32))
+    jax.lax.fori_loop(0, padded // _layout.LANES * windows, window, 0, unroll=2)
 
 
-def _streamed_stream_dots(streams_ref, dli_ref, n: int):
+def _streamed_stream_dots(streams_ref, dli_ref, sums_ref, n: int):
     """(G, tile) f32: row k = sum over the lanes of x_ref[:, k, :] * dli_ref (V4's dH_pre from
     dlayer_in, V4.1's dcarried), streamed: per (lane chunk, token group) the products folded over
     the 128-lane groups add into VMEM (no (tile, Dp) f32 value live), then one ones product per
@@ -188,36 +183,40 @@ def _streamed_stream_dots(streams_ref, dli_ref, n: int):
     g, tile, padded = _layout.group_rows(n), streams_ref.shape[1], streams_ref.shape[2]
     steps, decode = _flat_steps(padded, tile, _STREAM_TOKENS)
 
-    def accumulate(sums_ref):
-        sums_ref[...] = jnp.zeros(sums_ref.shape, _F32)
+    sums_ref[...] = jnp.zeros(sums_ref.shape, _F32)
 
-        def step(i, carry):
-            lanes, tokens = decode(i)
-            dli = dli_ref[tokens, lanes].astype(_F32)
-            for k in range(n):
-                product = streams_ref[k, tokens, lanes].astype(_F32) * dli
-                folded = functools.reduce(
-                    jnp.add,
-                    [product[:, j * _layout.LANES : (j + 1) * _layout.LANES] for j in range(product.shape[1] // 128)],
-                )
-                sums_ref[k, tokens, :] += folded
-            return carry
-
-        jax.lax.fori_loop(0, steps, step, 0)
-        ones = jnp.ones((_layout.SUBLANES, _layout.LANES), _F32)
-        sublane = jax.lax.broadcasted_iota(jnp.int32, (g, tile), 0)
-        result = jnp.zeros((g, tile), _F32)
+    def step(i, carry):
+        lanes, tokens = decode(i)
+        dli = dli_ref[tokens, lanes].astype(_F32)
         for k in range(n):
-            total = jax.lax.dot_general(
-                ones, sums_ref[k], _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
+            product = streams_ref[k, tokens, lanes].astype(_F32) * dli
+            folded = functools.reduce(
+                jnp.add,
+                [product[:, j * _layout.LANES : (j + 1) * _layout.LANES] for j in range(product.shape[1] // 128)],
             )
-            result = jnp.where(sublane == k, total[0:1], result)
-        return result
+            # (stream k's rows at k tile: an int index beside a pl.ds on a scoped ref does not
+            # discharge in Pallas's plain interpreter)
+            rows = pl.ds(pl.multiple_of(k * tile + tokens.start, tokens.size), tokens.size)
+            sums_ref[rows, :] += folded
+        return carry
 
-    return pl.run_scoped(accumulate, pltpu.VMEM((n, tile, _layout.LANES), _F32))
+    jax.lax.fori_loop(0, steps, step, 0)
+    ones = jnp.ones((_layout.SUBLANES, _layout.LANES), _F32)
+    sublane = jax.lax.broadcasted_iota(jnp.int32, (g, tile), 0)
+    result = jnp.zeros((g, tile), _F32)
+    for k in range(n):
+        total = jax.lax.dot_general(
+            ones,
+            sums_ref[k * tile : (k + 1) * tile, :],
+            _CONTRACT_LANES,
+            precision=_HIGHEST,
+            preferred_element_type=_F32,
+        )
+        result = jnp.where(sublane == k, total[0:1], result)
+    return result
 
 
-def _streamed_gram(gram_ref, dp, streams_ref, valid_tokens, n: int):
+def _streamed_gram(gram_ref, dp, streams_ref, terms_ref, valid_tokens, n: int):
     """gram_ref (rows, n Dp) += dp (rows, tile) x_k (tile, Dp) for every stream k (the projection
     gradient before the norm weight; the tokens past valid_tokens, whatever their memory holds,
     count as zero), streamed over lane chunks of x. bf16 x: dp's three bf16 terms stacked on the
@@ -230,31 +229,27 @@ def _streamed_gram(gram_ref, dp, streams_ref, valid_tokens, n: int):
     bf16 = streams_ref.dtype == jnp.bfloat16
     sublane_valid = jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < valid_tokens
 
-    def accumulate(terms_ref):
-        if bf16:
-            terms_ref[...] = jnp.concatenate(_bf16_terms(dp), axis=0)
-        else:
-            terms_ref[...] = dp
+    if bf16:
+        terms_ref[...] = jnp.concatenate(_bf16_terms(dp), axis=0)
+    else:
+        terms_ref[...] = dp
 
-        def step(c, carry):
-            start = pl.multiple_of(c * chunk, chunk)
-            for k in range(n):
-                stream = jnp.where(sublane_valid, streams_ref[k, :, pl.ds(start, chunk)], 0)
-                if bf16:
-                    product = jnp.dot(terms_ref[...], stream, preferred_element_type=_F32)
-                    product = product[0:rows] + (product[rows : 2 * rows] + product[2 * rows :])
-                else:
-                    product = jax.lax.dot_general(
-                        terms_ref[...], stream, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32
-                    )
-                lanes = pl.ds(pl.multiple_of(k * padded + start, _layout.LANES), chunk)
-                gram_ref[:, lanes] += product
-            return carry
+    def step(c, carry):
+        start = pl.multiple_of(c * chunk, chunk)
+        for k in range(n):
+            stream = jnp.where(sublane_valid, streams_ref[k, :, pl.ds(start, chunk)], 0)
+            if bf16:
+                product = jnp.dot(terms_ref[...], stream, preferred_element_type=_F32)
+                product = product[0:rows] + (product[rows : 2 * rows] + product[2 * rows :])
+            else:
+                product = jax.lax.dot_general(
+                    terms_ref[...], stream, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32
+                )
+            lanes = pl.ds(pl.multiple_of(k * padded + start, _layout.LANES), chunk)
+            gram_ref[:, lanes] += product
+        return carry
 
-        jax.lax.fori_loop(0, padded // chunk, step, 0)
-
-    shape, dtype = ((_TERMS * rows, tile), jnp.bfloat16) if bf16 else ((rows, tile), _F32)
-    pl.run_scoped(accumulate, pltpu.VMEM(shape, dtype))
+    jax.lax.fori_loop(0, padded // chunk, step, 0)
 
 
 def _six_term_lhs(dp_t):
@@ -347,14 +342,8 @@ def backward_body(
         dbias_ref[...] = jnp.zeros_like(dbias_ref)
         dalpha_ref[...] = jnp.zeros_like(dalpha_ref)
 
-    def _coefficients(streams_ref):
-        _stream_major(x_ref, streams_ref, n)
-        if partials_ref is None:
-            logits, squares = _pre.streamed_sums(x_ref, projection_ref, n=n)
-            r = _pre.inverse_rms(squares, n * features, config.rms_eps)
-        else:
-            logits = partials_ref[0:rows, :]
-            r = _pre.inverse_rms(partials_ref[rows : rows + 1, :], n * features, config.rms_eps)
+    def _coefficients(logits, r, streams_ref, pairs_ref, sums_ref, terms_ref):
+        _stream_major(x_ref, streams_ref, pairs_ref, n)
         z = r * logits
         scale = scale_ref[...]
         a = scale * z + bias_ref[...]
@@ -365,7 +354,7 @@ def backward_body(
             dh_pre, dh = dh[0:g], dh[g:]
         if not given_dh_pre or dcarried_ref is not None:
             # sum_d x_k dli: V4's dH_pre, V4.1's dcarried.
-            mixed = _streamed_stream_dots(streams_ref, dli_ref, n)
+            mixed = _streamed_stream_dots(streams_ref, dli_ref, sums_ref, n)
             if not given_dh_pre:
                 dh_pre = mixed
             else:
@@ -389,7 +378,7 @@ def backward_body(
         dz = scale * da
         dp = jnp.where(lane_valid, r * dz, 0.0)
         dr = jnp.sum(dz * logits, axis=0, keepdims=True)
-        _streamed_gram(gram_ref, dp, streams_ref, valid_tokens, n)
+        _streamed_gram(gram_ref, dp, streams_ref, terms_ref, valid_tokens, n)
         x_coefficient = jnp.broadcast_to(dr * r * r * r / (n * features), (_TOKEN_SCALARS, tile))
         # The pre-apply's weights of dx = ... + H_pre dli: the gates, or V4.1's carried mix.
         if own_gates:
@@ -402,7 +391,22 @@ def backward_body(
 
     @pl.when(c == 0)
     def _coefficient_step():
-        pl.run_scoped(_coefficients, pltpu.VMEM((n, tile, padded), x_ref.dtype))
+        # The projection's own scoped buffers first, then this step's in one scope (Pallas's plain
+        # interpreter does not discharge a run_scoped nested in another).
+        if partials_ref is None:
+            logits, squares = _pre.streamed_sums(x_ref, projection_ref, n=n)
+            r = _pre.inverse_rms(squares, n * features, config.rms_eps)
+        else:
+            logits = partials_ref[0:rows, :]
+            r = _pre.inverse_rms(partials_ref[rows : rows + 1, :], n * features, config.rms_eps)
+        bf16 = x_ref.dtype == jnp.bfloat16
+        pl.run_scoped(
+            functools.partial(_coefficients, logits, r),
+            pltpu.VMEM((n, tile, padded), x_ref.dtype),
+            pltpu.VMEM((2 * _PAIRS_TOKENS, _layout.LANES), jnp.uint32),
+            pltpu.VMEM((n * tile, _layout.LANES), _F32),
+            pltpu.VMEM((_TERMS * rows, tile) if bf16 else (rows, tile), jnp.bfloat16 if bf16 else _F32),
+        )
 
     start = pl.multiple_of(c * chunk, _layout.LANES)
     window = min(_DX_TOKENS, tile)
