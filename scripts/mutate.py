@@ -659,6 +659,36 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "tpu_backward_dx_six_terms_mismatched",
+        "the TPU pre backward's six-term dP W pairs dP's mid term with the weight's hi term twice (mid W_mid dropped)",
+        (
+            Edit(
+                TPU_PRE_BACKWARD,
+                "return jnp.concatenate([hi, mid, lo, hi, mid, hi], axis=0)",
+                "return jnp.concatenate([hi, mid, lo, hi, hi, hi], axis=0)",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_pre_backward.py::test_pre_backward_matches_reference[4-130-300-sinkhorn-float32-default]",
+        ),
+    ),
+    Mutation(
+        "tpu_backward_stream_major_streams_swapped",
+        "the TPU pre backward's stream-major copy of bf16 x (n = 4) stores each stream in the next one's place",
+        (
+            Edit(
+                TPU_PRE_BACKWARD,
+                "streams_ref[k, tokens, lanes] = stream.astype(streams_ref.dtype)",
+                "streams_ref[(k + 1) % n, tokens, lanes] = stream.astype(streams_ref.dtype)",
+            ),
+        ),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_pre_backward.py::test_pre_backward_matches_reference[4-1024-37-sinkhorn-bfloat16-default]",
+        ),
+    ),
+    Mutation(
         "tpu_backward_core_partials_dropped",
         "the TPU backwards split over two cores keep only the first core's parameter-gradient partial sums",
         (

@@ -31,6 +31,7 @@ from test_tpu_kernels import (
     assert_pre_forward_matmuls_f32_accurate,
 )
 from test_tpu_pre_backward import _oracle as _pre_backward_oracle
+from test_tpu_pre_backward import assert_pre_backward_matmuls_f32_accurate
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
 pytestmark = pytest.mark.slow
@@ -134,7 +135,7 @@ def test_every_tile_lowers_for_tpu(mix, dtype):
     """Every token tile the wrappers can choose passes the Pallas -> Mosaic lowering, forward and
     backward, at a D that pads and takes two feature chunks (Dp = 768) and a ragged T; every matmul
     is f32-accurate on the MXU (the forward: assert_pre_forward_matmuls_f32_accurate; the backward:
-    the pre backward's five per stream and the permutation table's, at fp32 precision)."""
+    assert_pre_backward_matmuls_f32_accurate)."""
     n, d, t = 4, 700, 300
     config = mj.Config(n=n, mix=mix)
     x, layer_out, h_post, h_res, params = _problem(np.random.default_rng(0), config, d, t, dtype, dtype)
@@ -150,9 +151,9 @@ def test_every_tile_lowers_for_tpu(mix, dtype):
         (kernel,) = _mosaic_modules(_export(forward, x, layer_out, h_post, h_res, params))
         assert_pre_forward_matmuls_f32_accurate(kernel, config, jnp.dtype(dtype), padded=768)
         (kernel,) = _mosaic_modules(_export(backward, *cotangents, x, layer_out, h_post, h_res, params))
-        matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
-        assert len(matmuls) == 5 * n + (mix == "permutations"), (tile, matmuls)
-        assert all("precision = #tpu.contract_precision<fp32>" in line for line in matmuls), (tile, matmuls)
+        rows = mhc.tpu._layout.logit_rows(n, mix)
+        tables = int(mix == "permutations")
+        assert_pre_backward_matmuls_f32_accurate(kernel, n, rows, tables, dtype, padded=768)
 
 
 def test_vmem_plan_and_bad_arguments():

@@ -40,6 +40,7 @@ from test_tpu_kernels import (
     assert_outputs_match,
     assert_pre_forward_matmuls_f32_accurate,
 )
+from test_tpu_pre_backward import assert_pre_backward_matmuls_f32_accurate
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
 pytestmark = pytest.mark.slow
@@ -215,15 +216,12 @@ def _v41_operands(config, n, d, t, dtype, present=True):
     }
 
 
-# Matmuls per stream of the backwards and the collapse (the forwards that run the pre body:
-# assert_pre_forward_matmuls_f32_accurate): the pre backward's five (the recomputed two, the sums
-# over D (dcarried's here), the projection gradient, dx's product with the weight); the collapse
-# backward's sums over D. Plus the permutation table's.
+# Matmuls per stream of the collapse (the forwards that run the pre body:
+# assert_pre_forward_matmuls_f32_accurate; the backwards that run the pre backward's:
+# assert_pre_backward_matmuls_f32_accurate): the collapse backward's sums over D.
 MATMULS_PER_STREAM = {
-    "mhc_pre_backward_carried": 5,
     "mhc_collapse_forward": 0,
     "mhc_collapse_backward": 1,
-    "mhc_boundary_backward_carried": 5,
 }
 
 
@@ -248,8 +246,14 @@ def test_every_v41_kernel_lowers_for_tpu(mix, dtype):
             if target in ("mhc_pre_forward_carried", "mhc_boundary_forward_carried"):
                 assert_pre_forward_matmuls_f32_accurate(kernel, config, jnp.dtype(dtype), padded=768)
                 continue
+            if target in ("mhc_pre_backward_carried", "mhc_boundary_backward_carried"):
+                rows = mhc.tpu._layout.logit_rows(n, mix)
+                assert_pre_backward_matmuls_f32_accurate(
+                    kernel, n, rows, int(permutations), dtype, padded=768, dots=present
+                )
+                continue
             matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
-            per_stream = MATMULS_PER_STREAM[target] - (target == "mhc_pre_backward_carried" and not present)
+            per_stream = MATMULS_PER_STREAM[target]
             if target == "mhc_collapse_backward" and not present:
                 per_stream = 0
             table = permutations and "collapse" not in target

@@ -26,6 +26,7 @@ from test_tpu_kernels import (
     assert_outputs_match,
     assert_pre_forward_matmuls_f32_accurate,
 )
+from test_tpu_pre_backward import assert_pre_backward_matmuls_f32_accurate
 
 # The TPU kernels in Pallas's interpreter: slow (pyproject.toml, markers); make check skips this file.
 pytestmark = pytest.mark.slow
@@ -102,17 +103,14 @@ def _arguments(n, d, t, dtype):
 def test_head_dots_carry_full_f32_precision():
     """Every matmul of both kernels is f32-accurate on the MXU: the forward's as the pre forward's
     (assert_pre_forward_matmuls_f32_accurate: the streamed projection, the selection, the sum of
-    squares; no table); the backward's at fp32 contraction precision (its projection and sum of
-    squares, dH_pre sums, projection gradient and dx)."""
+    squares; no table); the backward's as the pre backward's
+    (assert_pre_backward_matmuls_f32_accurate, the gate rows only)."""
     config = mj.Config(n=3, mix="sinkhorn")
     dout, x, head = _arguments(3, 130, 37, jnp.bfloat16)
     (forward,) = _mosaic_modules(_export(lambda x, h: mhc.tpu.head_forward(config, x, h), x, head))
     assert_pre_forward_matmuls_f32_accurate(forward, config, jnp.dtype(jnp.bfloat16), padded=256)
     (backward,) = _mosaic_modules(_export(lambda *a: mhc.tpu.head_backward(config, *a), dout, x, head))
-    matmuls = [line for line in backward.splitlines() if "tpu.matmul" in line]
-    assert len(matmuls) == 5 * config.n, matmuls
-    for line in matmuls:
-        assert "precision = #tpu.contract_precision<fp32>" in line, line
+    assert_pre_backward_matmuls_f32_accurate(backward, config.n, mhc.tpu._layout.group_rows(config.n))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

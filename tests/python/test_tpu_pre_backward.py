@@ -10,6 +10,8 @@ the CPU suite's families, each with a ragged last token tile; D = 600 and 1024 t
 feature chunks.
 """
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -183,17 +185,52 @@ def _arguments(config, n, d, t, dtype):
 
 @pytest.mark.parametrize("mix", ["sinkhorn", "permutations"])
 def test_pre_backward_dots_carry_full_f32_precision(mix):
-    """Every matmul of the kernel (the recomputed projection and sum of squares, dH_pre's sums, the
-    projection gradient, dx's product with the weight, the permutation table's) asks the MXU for
-    fp32 contraction precision."""
+    """Every matmul of the kernel is f32-accurate on the MXU: f32 operands (the projection's
+    selection, dH_pre's and the sum of squares' ones products, the permutation table's) ask for
+    fp32 contraction precision; the bf16 ones are the exact three-term forms (the recomputed
+    projection: x against the weight's three terms, a contraction of three chunks of x; the
+    projection gradient: dP's three terms stacked on the sublanes against bf16 x; dx's product:
+    dP's and the weight's terms in the six-term contraction), one per stream each (n = 3)."""
     config = mj.Config(n=3, mix=mix)
     arguments = _arguments(config, 3, 130, 37, jnp.bfloat16)
     kernels = _mosaic_modules(_export(lambda *a: mhc.tpu.pre_backward(config, *a), *arguments))
     assert len(kernels) == 1
-    matmuls = [line for line in kernels[0].splitlines() if "tpu.matmul" in line]
-    assert len(matmuls) == 5 * config.n + (mix == "permutations"), matmuls
+    assert_pre_backward_matmuls_f32_accurate(
+        kernels[0], config.n, mhc.tpu._layout.logit_rows(config.n, mix), tables=int(mix == "permutations")
+    )
+
+
+def assert_pre_backward_matmuls_f32_accurate(
+    kernel: str, n: int, rows: int, tables: int = 0, dtype=jnp.bfloat16, padded: int = 256, dots: bool = True
+):
+    """The matmuls of a kernel that runs the pre backward's body (pre, head, boundary, V4.1's) with
+    `rows` logit rows and x of `dtype` padded to Dp = `padded`: f32 operands at fp32 contraction
+    precision (the projection's selection and sum of squares, with `dots` dH_pre's or dcarried's n
+    sums, `tables` permutation tables; f32 x: the projection and its gradient per stream); the
+    bf16 ones the exact three-term forms: the recomputed projection (bf16 x: a contraction of three
+    chunks of x, one per stream, or at n = 4 one or more copies of the rows view's product), the
+    projection gradient (bf16 x: dP's three terms on the sublanes, 3 `rows`, one per stream), dx's
+    dP W (a contraction of six terms, 6 `rows`, one per stream)."""
+    chunk = 256 if padded % 256 == 0 else 128
+    bf16 = jnp.dtype(dtype) == jnp.bfloat16
+    matmuls = [line for line in kernel.splitlines() if "tpu.matmul" in line]
+    exact = {"projection": 0, "gram": 0, "dx": 0}
     for line in matmuls:
-        assert "precision = #tpu.contract_precision<fp32>" in line, line
+        (lhs_m, lhs_k, lhs), (rhs_k, _, rhs) = re.findall(r"vector<(\d+)x(\d+)x(\w+)>", line.rsplit(" : ", 1)[1])[:2]
+        if (lhs, rhs) != ("bf16", "bf16"):
+            assert "precision = #tpu.contract_precision<fp32>" in line, line
+        elif int(lhs_k) == int(rhs_k) == 3 * chunk:
+            exact["projection"] += 1
+        elif int(lhs_m) == 3 * rows:
+            exact["gram"] += 1
+        else:
+            assert int(lhs_k) == int(rhs_k) == 6 * rows, line
+            exact["dx"] += 1
+    rows_view = bf16 and n == 4
+    assert exact["dx"] == n and exact["gram"] == (n if bf16 else 0), matmuls
+    assert exact["projection"] >= 1 if rows_view else exact["projection"] == (n if bf16 else 0), matmuls
+    f32_products = 2 + (n if dots else 0) + tables + (0 if bf16 else 2 * n)
+    assert len(matmuls) - sum(exact.values()) == f32_products, matmuls
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

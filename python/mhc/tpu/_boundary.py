@@ -33,11 +33,17 @@ from mhc.tpu import _layout, _post, _pre, _pre_backward
 _F32 = jnp.float32
 
 
-def _forward_kernel(*refs, config: Config, features: int, carried: bool):
-    """carried: V4.1's boundary, whose h_pre of l ((G, tile), after h_res) is l+1's carried mix."""
-    x_ref, layer_out_ref, h_post_ref, h_res_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
+def _forward_kernel(*refs, config: Config, features: int, carried: bool, pairs: bool = False):
+    """carried: V4.1's boundary, whose h_pre of l ((G, tile), after the post's coefficients) is
+    l+1's carried mix. pairs (_post_pairs): the post's coefficients are one mix block [2 tile, 10]
+    (_post._bf16_pairs_mix), not h_post and h_res."""
+    x_ref, layer_out_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
+    post_refs = [parameters.pop(0) for _ in range(1 if pairs else 2)]
     carried_ref = parameters.pop(0) if carried else _pre.OWN_GATES
-    _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
+    if pairs:
+        _post_pairs(x_ref, layer_out_ref, post_refs[0], x_next_ref)
+    else:
+        _post._forward_kernel(x_ref, layer_out_ref, *post_refs, x_next_ref, n=config.n)
     _pre.pre_body(
         x_next_ref,
         parameters,
@@ -47,6 +53,29 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool):
         features=features,
         carried_ref=carried_ref,
     )
+
+
+def _pairs(n: int, dtype, layer_out_dtype) -> bool:
+    """Whether the fused forward's post runs post_forward's bf16 n = 4 kernel on x's own layout
+    (_post._bf16_pairs_forward_kernel: no relayout per stream, no (tile, Dp) f32 value live)."""
+    return n == 4 and jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(layer_out_dtype) == jnp.bfloat16
+
+
+def _post_pairs(x_ref, layer_out_ref, mix_ref, x_next_ref):
+    """x_{l+1} by post_forward's bf16 pairs kernel, over the feature chunks post_forward takes (a
+    Python loop: each chunk its own token loop, the loop post_forward's estimate measured): the
+    same products, sums and rounding, the same bits as post_forward."""
+    padded = x_ref.shape[2]
+    chunk = _layout.feature_chunk(padded)
+    for c in range(padded // chunk):
+        chunk_lanes = pl.ds(c * chunk, chunk)
+        _post._bf16_pairs_forward_kernel(
+            x_ref.at[:, :, chunk_lanes],
+            layer_out_ref.at[:, chunk_lanes],
+            mix_ref,
+            x_next_ref.at[:, :, chunk_lanes],
+            rows=_post._PAIR_ROWS,
+        )
 
 
 def forward_tile(
@@ -126,16 +155,17 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
     coefficient_spec, coefficient_shape = _pre.coefficient_output(config, t, tile)
     flops, transcendentals, coefficient_bytes = _pre.coefficient_cost(config, t, padded)
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
+    pairs = _pairs(n, x.dtype, layer_out.dtype)
+    if pairs:
+        post_coefficients = [_post._bf16_pairs_mix(h_post, h_res)]
+        post_specs = [pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda i: (i, 0))]
+    else:
+        post_coefficients = [h_post, h_res.reshape(t, n * n)]
+        post_specs = [pl.BlockSpec((tile, n), lambda i: (i, 0)), pl.BlockSpec((tile, n * n), lambda i: (i, 0))]
     x_next, layer_in, coefficients = pl.pallas_call(
-        functools.partial(_forward_kernel, config=config, features=d, carried=carried),
+        functools.partial(_forward_kernel, config=config, features=d, carried=carried, pairs=pairs),
         grid=(pl.cdiv(t, tile),),
-        in_specs=[
-            streams,
-            features,
-            pl.BlockSpec((tile, n), lambda i: (i, 0)),
-            pl.BlockSpec((tile, n * n), lambda i: (i, 0)),
-            *parameter_specs,
-        ],
+        in_specs=[streams, features, *post_specs, *parameter_specs],
         out_specs=[streams, features, coefficient_spec],
         out_shape=[
             jax.ShapeDtypeStruct((t, n, padded), x.dtype),
@@ -159,8 +189,7 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
     )(
         _layout.pad_features(x, padded),
         _layout.pad_features(layer_out, padded),
-        h_post,
-        h_res.reshape(t, n * n),
+        *post_coefficients,
         *parameters,
     )
     return (x_next[:, :, :d], layer_in[:, :d], *_pre.split_coefficients(config, coefficients, t))
@@ -175,14 +204,18 @@ def _backward_kernel(
     permutations: bool,
     carried: bool,
     split: _layout.CoreSplit,
+    pairs: bool = False,
 ):
     """carried: V4.1's boundary: h_pre of l ((G, tile), after the parameters) is l+1's carried mix,
     dh_next starts with l+1's dH_pre group, and dh_pre of l ((G, tile), after dalpha) receives
-    l+1's dcarried. Runs only at the grid steps that hold a token tile (split)."""
+    l+1's dcarried. pairs (_pairs): the post's mix block [2 tile, 10] follows the projection
+    operand, and x_{l+1} is recomputed by post_forward's bf16 pairs kernel. Runs only at the grid
+    steps that hold a token tile (split)."""
     refs = list(refs)
     dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
-    weight_ref, scale_ref, bias_ref = refs[7:10]
-    refs = refs[10:]
+    weight_ref, scale_ref, bias_ref, projection_ref = refs[7:11]
+    refs = refs[11:]
+    mix_ref = refs.pop(0) if pairs else None
     table_t_ref = refs.pop(0) if permutations else None
     carried_ref = refs.pop(0) if carried else _pre.OWN_GATES
     dx_partial_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, gram_ref, dbias_ref, dalpha_ref = refs[:7]
@@ -200,7 +233,10 @@ def _backward_kernel(
         # bits the forward stored.
         @pl.when(chunk_index == 0)
         def _recompute():
-            _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
+            if pairs:
+                _post_pairs(x_ref, layer_out_ref, mix_ref, x_next_ref)
+            else:
+                _post._forward_kernel(x_ref, layer_out_ref, h_post_ref, h_res_ref, x_next_ref, n=config.n)
 
         # The pre backward of l+1 writes this chunk of dx_{l+1} (in x's dtype, as the separate
         # calls store it) into g_ref: the cotangent of post l's output, never stored in HBM.
@@ -225,6 +261,7 @@ def _backward_kernel(
             split=split,
             carried_ref=carried_ref,
             dcarried_ref=dh_pre_ref,
+            projection_ref=projection_ref,
         )
         lanes = pl.ds(pl.multiple_of(chunk_index * chunk, _layout.LANES), chunk)
         _post._backward_kernel(
@@ -262,14 +299,19 @@ def backward_tile(
     # h_post, h_res in and dh_post, dh_res out (tokens in the sublanes, 128 lanes), dh of l+1.
     per_token += 4 * 2 * _layout.round_up(n * n, _layout.LANES) * 4 + 2 * (1 + n) * g * 4
     # f32 temporaries: the post's n streams and its sum over a whole token, the pre backward's
-    # four of a stream; the Sinkhorn steps and the column pack, the logits.
-    per_token += (n + 1 + 4) * padded * 4 + (n + 3) * chunk * 4
+    # streamed passes (_pre_backward.streamed_bytes_per_token); the Sinkhorn steps and the column
+    # pack, the logits.
+    per_token += (n + 1) * padded * 4 + (n + 3) * chunk * 4
+    per_token += _pre_backward.streamed_bytes_per_token(n, rows, n * config.projection_width, chunk, padded, size)
     iterations = 2 * config.sinkhorn_iters if config.mix == "sinkhorn" else 0
     per_token += (iterations * n * g + _layout.round_up(rows + g + _layout.SUBLANES, _layout.LANES) + 8 * rows) * 4
     # V4.1: l+1's dH_pre group, h_pre of l in and its cotangent out, G f32 rows each, double-buffered.
     per_token += 2 * 3 * g * 4 if carried else 0
     # The weight (single-buffered) and the gradient accumulator (rows, n Dp) with its columns.
+    # (parameter_bytes counts the larger of the transposed weight and the stacked projection
+    # operand; the backward holds both.)
     fixed = _pre.parameter_bytes(config, padded) + 2 * (rows * n * padded + 2 * rows * _layout.LANES) * 4
+    fixed += _pre.stacked_bytes(n, config.projection_width, padded, rows)
     return _layout.choose_token_tile(
         "boundary_backward", per_token, fixed, _layout.vmem_budget(capacity or _layout.chip_vmem())
     )
@@ -374,7 +416,10 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     chunk = _layout.feature_chunk(padded)
     rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
-    parameters = [weight, scale, bias]
+    parameters = [weight, scale, bias, _pre.stacked_projection(config, params, d, padded)]
+    pairs = _pairs(n, x.dtype, layer_out.dtype)
+    if pairs:
+        parameters.append(_post._bf16_pairs_mix(h_post, h_res))
     if config.mix == "permutations":
         parameters.append(jnp.asarray(_pre._permutation_table(n).T))
     dh_next = _pre_backward.coefficient_cotangents(config, dh_pre_next, dh_post_next, dh_res_next, tile)
@@ -389,6 +434,8 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     single = pl.Buffered(buffer_count=1)
     resident = lambda *step: (0, 0)  # noqa: E731
     parameter_specs = [pl.BlockSpec(p.shape, resident, pipeline_mode=single) for p in parameters]
+    if pairs:  # the post's mix: a block per token tile
+        parameter_specs[4] = pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda *step: (split.tile_block(*step), 0))
     per_tile = pl.BlockSpec((None, g, tile), lambda *step: (split.tile_block(*step), 0, 0))
     if carried:
         parameters.append(_pre.carried_lanes(config, h_pre, tile))
@@ -409,6 +456,7 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
             permutations=config.mix == "permutations",
             carried=carried,
             split=split,
+            pairs=pairs,
         ),
         grid=split.grid,
         in_specs=[

@@ -158,7 +158,19 @@ def head_backward(
     tile = tile or backward_tile(config, d, x.dtype)
     weight, scale, bias = _weight(config, head, d)
     dx, _, gram, dbias, dalpha = _pre_backward.run(
-        config, x, dout, None, None, weight, scale, bias, None, tile=tile, interpret=interpret, cores=cores
+        config,
+        x,
+        dout,
+        None,
+        None,
+        weight,
+        scale,
+        bias,
+        None,
+        tile=tile,
+        interpret=interpret,
+        cores=cores,
+        projection=_stacked_weight(config, head, d),
     )
     padded = _layout.padded_features(d)
     dfn = gram[:n].reshape(n, n, padded)[:, :, :d].reshape(n, n * d)

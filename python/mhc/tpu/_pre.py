@@ -6,7 +6,7 @@ three bf16 terms: full f32 accuracy) and the sum of squares (the VPU) stream ove
 chunk (streamed_projection), the coefficients follow with the tokens in the lanes (spec: Forward
 steps 1-5), and the pre-apply re-reads the tile from VMEM window by window (streamed_pre_apply).
 No (tile, Dp) f32 value is live (docs/tpu.md, "The pre forward streamed through the features").
-The backwards recompute the coefficients with the per-stream `projection`.
+The backwards recompute the coefficients with the same streamed_sums (_pre_backward).
 
 pre_forward_carried is DeepSeek-V4.1's (spec: Single-pass schedule; unverified on TPU hardware as
 the rest): the same kernel, whose pre-apply reads the carried mix (a (G, tile) block per token
@@ -85,25 +85,6 @@ def _sinkhorn(config: Config, logits, g: int, steps_ref=None):
     rows = save(1, over_columns(save(0, rows)))
     rows = jax.lax.fori_loop(0, config.sinkhorn_iters - 1, iteration, rows)
     return rows
-
-
-def projection(x_ref, weight_ref, *, n: int, features: int, rms_eps: float):
-    """(P (rows, tile), r (1, tile)) for the token tile x_ref [tile, n, Dp] (spec: Forward steps
-    1-2): the projection with the tokens in the lanes, one MXU product per stream at full f32
-    precision, and the RMS factor from the sum of squares taken the same way (the padded lanes are
-    zero and add nothing; the mean is over the true n D)."""
-    tile, padded = x_ref.shape[0], x_ref.shape[2]
-    logits = jnp.zeros((weight_ref.shape[0], tile), _F32)
-    squares = jnp.zeros((_layout.SUBLANES, tile), _F32)
-    ones = jnp.ones((_layout.SUBLANES, padded), _F32)
-    for k in range(n):
-        stream = x_ref[:, k, :].astype(_F32)
-        weight = weight_ref[:, k * padded : (k + 1) * padded]
-        logits += jax.lax.dot_general(weight, stream, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32)
-        squares += jax.lax.dot_general(
-            ones, stream * stream, _CONTRACT_LANES, precision=_HIGHEST, preferred_element_type=_F32
-        )
-    return logits, jax.lax.rsqrt(squares[0:1] / (n * features) + rms_eps)
 
 
 def _projection_chunk(padded: int) -> int:

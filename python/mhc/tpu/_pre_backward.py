@@ -4,14 +4,17 @@ mode, by lowering to Mosaic and by compiling for v5e/v6e, never run on a chip).
 Grid (cores, token tiles per core, feature chunks: _layout.CoreSplit), the cores in parallel,
 the rest sequential. The x block is the whole tile [tile, n, Dp] (its index does not change over
 the chunks, so it is read from HBM once per tile); at the first
-chunk the kernel recomputes the forward's coefficients from it (_pre's projection, gates and
-Sinkhorn, every Sinkhorn step kept in VMEM), runs the spec's backward through the gates, the
+chunk the kernel recomputes the forward's coefficients from it (_pre's streamed projection, gates
+and Sinkhorn, every Sinkhorn step kept in VMEM), runs the spec's backward through the gates, the
 Sinkhorn steps or the permutation softmax and the RMS statistic with the tokens in the lanes, and
 adds this tile's share of the parameter gradients to its core's output blocks, which stay
 resident over the core's steps (so they are summed tile after tile, then over the cores in core
 order: a fixed order, bitwise reproducible; with one core, the tiles in order). Every
 chunk then writes its lanes of dx = dx_partial + H_pre dli + dP W - dr r^3 x / M, with dx_partial
 and dx in [tile, n, chunk] blocks (whole ones would not fit VMEM in bf16 at D = 2048).
+Every pass over x streams through lane chunks or token windows, no (tile, Dp) f32 value live;
+the f32-accurate MXU products split their f32 operands into three bf16 terms (docs/tpu.md, "The
+backwards streamed through the features").
 
 The same body runs DeepSeek-V4's head backward (mhc.tpu._head): the pre gates only, no dx_partial;
 and DeepSeek-V4.1's pre_backward_carried (spec: Single-pass schedule; unverified on TPU hardware
@@ -36,6 +39,7 @@ from mhc.tpu import _layout, _pre
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST
 _MATMUL = (((1,), (0,)), ((), ()))  # a (m, k) times b (k, n)
+_CONTRACT_LANES = (((1,), (1,)), ((), ()))  # a (m, k) times b (n, k)
 # Rows of the per-token column pack (_coefficient_step): the pre gates' group, then a group whose
 # first row is the x coefficient dr r^3 / M.
 _TOKEN_SCALARS = _layout.SUBLANES
@@ -98,6 +102,171 @@ def _permutations_backward(config: Config, logits, dh_res, table_t_ref):
     return w * (dw - jnp.sum(w * dw, axis=0, keepdims=True))
 
 
+# Lanes per step of the streamed loops over the features (the forward projection's chunk: a full
+# contraction depth of v6e's MXU, two of v5e's) and tokens per step of those that run on the VPU.
+_STREAM_LANES = 2 * _layout.LANES
+_STREAM_TOKENS = 64
+# _stream_major's window at bf16 n = 4: 16 tokens (one packed bf16 vreg a stream) by 128 lanes.
+_PAIRS_TOKENS = 16
+# Tokens per step of the loop that writes dx (a few vregs per stream at 512 lanes).
+_DX_TOKENS = 16
+# The three bf16 terms (hi, mid, lo) of an f32 value: together its 24 bits (spec: Precision policy).
+_TERMS = 3
+
+
+def _stream_lanes(padded: int) -> int:
+    return _STREAM_LANES if padded % _STREAM_LANES == 0 else _layout.LANES
+
+
+def _bf16_terms(value):
+    """(hi, mid, lo) bf16 with hi + mid + lo = value to 2^-24 (the f32 value's 24 bits)."""
+    hi = value.astype(jnp.bfloat16)
+    rest = value - hi.astype(_F32)
+    mid = rest.astype(jnp.bfloat16)
+    return hi, mid, (rest - mid.astype(_F32)).astype(jnp.bfloat16)
+
+
+def _flat_steps(padded: int, tile: int, tokens: int):
+    """(steps, decode) of one loop over (lane chunk, token group) pairs (not two nested loops:
+    libtpu's schedule of a nested pair hides the outer trip count from the estimate); decode(i) ->
+    (lanes, tokens) as pl.ds. Shifts and masks: the tiles and groups are powers of 2 (Mosaic
+    lowers integer division only for a known chip)."""
+    chunk, group = _stream_lanes(padded), min(tokens, tile)
+    groups = tile // group
+
+    def decode(i):
+        c = i >> (groups.bit_length() - 1)
+        first = pl.multiple_of((i & (groups - 1)) * group, group)
+        return pl.ds(pl.multiple_of(c * chunk, chunk), chunk), pl.ds(first, group)
+
+    return padded // chunk * groups, decode
+
+
+def _stream_major(x_ref, streams_ref, pairs_ref, n: int):
+    """streams_ref [n, tile, Dp] (x's dtype) = x_ref [tile, n, Dp] with the streams in front, so
+    the passes after it read each stream in the dtype's own tiles (no relayout per use). bf16 at
+    n = 4: the block's 32-bit words, 16 tokens x 128 lanes at a time (_pre._pairs_streams: two
+    sublane-strided loads and a shift or a mask, exact), rounded back to bf16 (exact). Otherwise
+    x_ref[:, k, lanes] per lane chunk (a relayout, once)."""
+    tile, padded = x_ref.shape[0], x_ref.shape[2]
+    if not _pre._rows_view(n, x_ref.dtype):
+        chunk = _stream_lanes(padded)
+
+        def copy(c, carry):
+            lanes = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+            for k in range(n):
+                streams_ref[k, :, lanes] = x_ref[:, k, lanes]
+            return carry
+
+        jax.lax.fori_loop(0, padded // chunk, copy, 0)
+        return
+    rows = min(_PAIRS_TOKENS, tile)
+    windows = tile // rows
+
+    def window(i, carry):
+        # (lane tile, token window) pairs in one loop (shifts: powers of 2)
+        lanes = pl.ds(pl.multiple_of((i >> (windows.bit_length() - 1)) * _layout.LANES, _layout.LANES), _layout.LANES)
+        tokens = pl.ds(pl.multiple_of((i & (windows - 1)) * rows, rows), rows)
+        for k, stream in enumerate(_pre._pairs_streams(x_ref, pairs_ref, tokens, lanes, rows)):
+            streams_ref[k, tokens, lanes] = stream.astype(streams_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, padded // _layout.LANES * windows, window, 0, unroll=2)
+
+
+def _streamed_stream_dots(streams_ref, dli_ref, sums_ref, n: int):
+    """(G, tile) f32: row k = sum over the lanes of x_ref[:, k, :] * dli_ref (V4's dH_pre from
+    dlayer_in, V4.1's dcarried), streamed: per (lane chunk, token group) the products folded over
+    the 128-lane groups add into VMEM (no (tile, Dp) f32 value live), then one ones product per
+    stream at full f32 precision sums the last 128 lanes with the tokens in the lanes. The padded
+    lanes are zero and add nothing."""
+    g, tile, padded = _layout.group_rows(n), streams_ref.shape[1], streams_ref.shape[2]
+    steps, decode = _flat_steps(padded, tile, _STREAM_TOKENS)
+
+    sums_ref[...] = jnp.zeros(sums_ref.shape, _F32)
+
+    def step(i, carry):
+        lanes, tokens = decode(i)
+        dli = dli_ref[tokens, lanes].astype(_F32)
+        for k in range(n):
+            product = streams_ref[k, tokens, lanes].astype(_F32) * dli
+            folded = functools.reduce(
+                jnp.add,
+                [product[:, j * _layout.LANES : (j + 1) * _layout.LANES] for j in range(product.shape[1] // 128)],
+            )
+            # (stream k's rows at k tile: an int index beside a pl.ds on a scoped ref does not
+            # discharge in Pallas's plain interpreter)
+            rows = pl.ds(pl.multiple_of(k * tile + tokens.start, tokens.size), tokens.size)
+            sums_ref[rows, :] += folded
+        return carry
+
+    jax.lax.fori_loop(0, steps, step, 0)
+    ones = jnp.ones((_layout.SUBLANES, _layout.LANES), _F32)
+    sublane = jax.lax.broadcasted_iota(jnp.int32, (g, tile), 0)
+    result = jnp.zeros((g, tile), _F32)
+    for k in range(n):
+        total = jax.lax.dot_general(
+            ones,
+            sums_ref[k * tile : (k + 1) * tile, :],
+            _CONTRACT_LANES,
+            precision=_HIGHEST,
+            preferred_element_type=_F32,
+        )
+        result = jnp.where(sublane == k, total[0:1], result)
+    return result
+
+
+def _streamed_gram(gram_ref, dp, streams_ref, terms_ref, valid_tokens, n: int):
+    """gram_ref (rows, n Dp) += dp (rows, tile) x_k (tile, Dp) for every stream k (the projection
+    gradient before the norm weight; the tokens past valid_tokens, whatever their memory holds,
+    count as zero), streamed over lane chunks of x. bf16 x: dp's three bf16 terms stacked on the
+    sublanes, one MXU product with the chunk of x_k (exact products, f32 accumulation: dp at full
+    f32 accuracy, x exact), then hi + (mid + lo); half the MXU passes of precision=HIGHEST, which
+    also splits x. f32 x: dp times x_k at HIGHEST."""
+    rows, tile = dp.shape
+    padded = streams_ref.shape[2]
+    chunk = _stream_lanes(padded)
+    bf16 = streams_ref.dtype == jnp.bfloat16
+    sublane_valid = jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < valid_tokens
+
+    if bf16:
+        terms_ref[...] = jnp.concatenate(_bf16_terms(dp), axis=0)
+    else:
+        terms_ref[...] = dp
+
+    def step(c, carry):
+        start = pl.multiple_of(c * chunk, chunk)
+        for k in range(n):
+            stream = jnp.where(sublane_valid, streams_ref[k, :, pl.ds(start, chunk)], 0)
+            if bf16:
+                product = jnp.dot(terms_ref[...], stream, preferred_element_type=_F32)
+                product = product[0:rows] + (product[rows : 2 * rows] + product[2 * rows :])
+            else:
+                product = jax.lax.dot_general(
+                    terms_ref[...], stream, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32
+                )
+            lanes = pl.ds(pl.multiple_of(k * padded + start, _layout.LANES), chunk)
+            gram_ref[:, lanes] += product
+        return carry
+
+    jax.lax.fori_loop(0, padded // chunk, step, 0)
+
+
+def _six_term_lhs(dp_t):
+    """dp_t (tile, rows) f32 as the bf16 LHS [hi hi hi mid mid lo] (tile, 6 rows) of the product
+    with _six_term_rhs: sum of hi W_hi + hi W_mid + hi W_lo + mid W_hi + mid W_mid + lo W_hi, the
+    six bf16 products precision=HIGHEST takes (the same accuracy), in one contraction of 6 rows
+    (three 128-deep MXU passes at 48 rows, not six)."""
+    hi, mid, lo = _bf16_terms(dp_t)
+    return jnp.concatenate([hi, hi, hi, mid, mid, lo], axis=1)
+
+
+def _six_term_rhs(weight):
+    """weight (rows, lanes) f32 as the bf16 RHS [W_hi; W_mid; W_lo; W_hi; W_mid; W_hi]."""
+    hi, mid, lo = _bf16_terms(weight)
+    return jnp.concatenate([hi, mid, lo, hi, mid, hi], axis=0)
+
+
 def backward_body(
     dli_ref,
     dx_partial_ref,
@@ -122,6 +291,7 @@ def backward_body(
     dcarried_ref=None,
     given_dh_pre: bool | None = None,
     partials_ref=None,
+    projection_ref=None,
 ):
     """One grid step (token tile i, feature chunk c: split.position()) of the pre backward, for the
     pre kernel, the head (gates only: dx_partial_ref, dh_ref, table_t_ref and steps_ref None,
@@ -149,7 +319,13 @@ def backward_body(
     partials_ref (rows + 8, tile) holds the all-reduced projection P (the logit rows) and, at row
     `rows`, the sum of squares, which replace the recompute from this device's slice of x;
     `features` is then the whole D (the mean of the RMS statistic), and given_dh_pre (default:
-    V4.1's) says that dh_ref's first group is the all-reduced dH_pre, for V4 too."""
+    V4.1's) says that dh_ref's first group is the all-reduced dH_pre, for V4 too.
+
+    projection_ref: the forward's streamed projection operand (_pre.stacked_weight_terms of the
+    same weight), from which the coefficients are recomputed as the forward computes them
+    (_pre.streamed_sums; required unless partials_ref is given). Every pass over x streams it
+    through lane chunks (docs/tpu.md, "The backwards streamed through the features"): no
+    (tile, Dp) f32 value is live."""
     n, g = config.n, _layout.group_rows(config.n)
     gates_only = dh_ref is None
     own_gates = carried_ref is _pre.OWN_GATES
@@ -166,13 +342,8 @@ def backward_body(
         dbias_ref[...] = jnp.zeros_like(dbias_ref)
         dalpha_ref[...] = jnp.zeros_like(dalpha_ref)
 
-    @pl.when(c == 0)
-    def _coefficient_step():
-        if partials_ref is None:
-            logits, r = _pre.projection(x_ref, weight_ref, n=n, features=features, rms_eps=config.rms_eps)
-        else:
-            logits = partials_ref[0:rows, :]
-            r = _pre.inverse_rms(partials_ref[rows : rows + 1, :], n * features, config.rms_eps)
+    def _coefficients(logits, r, streams_ref, pairs_ref, sums_ref, terms_ref):
+        _stream_major(x_ref, streams_ref, pairs_ref, n)
         z = r * logits
         scale = scale_ref[...]
         a = scale * z + bias_ref[...]
@@ -183,7 +354,7 @@ def backward_body(
             dh_pre, dh = dh[0:g], dh[g:]
         if not given_dh_pre or dcarried_ref is not None:
             # sum_d x_k dli: V4's dH_pre, V4.1's dcarried.
-            mixed = _pre.stream_dots(x_ref, dli_ref[...].astype(_F32), n)
+            mixed = _streamed_stream_dots(streams_ref, dli_ref, sums_ref, n)
             if not given_dh_pre:
                 dh_pre = mixed
             else:
@@ -207,12 +378,7 @@ def backward_body(
         dz = scale * da
         dp = jnp.where(lane_valid, r * dz, 0.0)
         dr = jnp.sum(dz * logits, axis=0, keepdims=True)
-        sublane_valid = jax.lax.broadcasted_iota(jnp.int32, (tile, 1), 0) < valid_tokens
-        for k in range(n):
-            stream = jnp.where(sublane_valid, x_ref[:, k, :].astype(_F32), 0.0)
-            gram_ref[:, k * padded : (k + 1) * padded] += jax.lax.dot_general(
-                dp, stream, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32
-            )
+        _streamed_gram(gram_ref, dp, streams_ref, terms_ref, valid_tokens, n)
         x_coefficient = jnp.broadcast_to(dr * r * r * r / (n * features), (_TOKEN_SCALARS, tile))
         # The pre-apply's weights of dx = ... + H_pre dli: the gates, or V4.1's carried mix.
         if own_gates:
@@ -223,19 +389,53 @@ def backward_body(
             pre_apply_weights = carried_ref[...]
         columns_ref[...] = jnp.concatenate([dp, pre_apply_weights, x_coefficient], axis=0).T
 
-    columns = columns_ref[...]
-    dp_t = columns[:, 0:rows]
-    x_coefficient = columns[:, rows + g : rows + g + 1]
+    @pl.when(c == 0)
+    def _coefficient_step():
+        # The projection's own scoped buffers first, then this step's in one scope (Pallas's plain
+        # interpreter does not discharge a run_scoped nested in another).
+        if partials_ref is None:
+            logits, squares = _pre.streamed_sums(x_ref, projection_ref, n=n)
+            r = _pre.inverse_rms(squares, n * features, config.rms_eps)
+        else:
+            logits = partials_ref[0:rows, :]
+            r = _pre.inverse_rms(partials_ref[rows : rows + 1, :], n * features, config.rms_eps)
+        bf16 = x_ref.dtype == jnp.bfloat16
+        pl.run_scoped(
+            functools.partial(_coefficients, logits, r),
+            pltpu.VMEM((n, tile, padded), x_ref.dtype),
+            pltpu.VMEM((2 * _PAIRS_TOKENS, _layout.LANES), jnp.uint32),
+            pltpu.VMEM((n * tile, _layout.LANES), _F32),
+            pltpu.VMEM((_TERMS * rows, tile) if bf16 else (rows, tile), jnp.bfloat16 if bf16 else _F32),
+        )
+
     start = pl.multiple_of(c * chunk, _layout.LANES)
-    dli = dli_ref[:, pl.ds(start, chunk)].astype(_F32)
-    for k in range(n):
-        weight = weight_ref[:, pl.ds(pl.multiple_of(k * padded + start, _layout.LANES), chunk)]
-        dx = columns[:, rows + k : rows + k + 1] * dli
-        if not gates_only:
-            dx += dx_partial_ref[:, k, :].astype(_F32)
-        dx += jax.lax.dot_general(dp_t, weight, _MATMUL, precision=_HIGHEST, preferred_element_type=_F32)
-        dx -= x_coefficient * x_ref[:, k, pl.ds(start, chunk)].astype(_F32)
-        dx_ref[:, k, :] = dx.astype(dx_ref.dtype)
+    window = min(_DX_TOKENS, tile)
+
+    def dx_chunk(products_ref):
+        # dP W for this chunk of every stream, one MXU product each over the whole tile (the
+        # six-term bf16 form of an f32 product), kept in VMEM; then the tokens window by window.
+        lhs = _six_term_lhs(columns_ref[:, 0:rows])
+        for k in range(n):
+            weight = weight_ref[:, pl.ds(pl.multiple_of(k * padded + start, _layout.LANES), chunk)]
+            products_ref[k] = jnp.dot(lhs, _six_term_rhs(weight), preferred_element_type=_F32)
+
+        def tokens_window(w, carry):
+            tokens = pl.ds(pl.multiple_of(w * window, window), window)
+            columns = columns_ref[tokens, :]
+            x_coefficient = columns[:, rows + g : rows + g + 1]
+            dli = dli_ref[tokens, pl.ds(start, chunk)].astype(_F32)
+            for k in range(n):
+                dx = columns[:, rows + k : rows + k + 1] * dli
+                if not gates_only:
+                    dx += dx_partial_ref[tokens, k, :].astype(_F32)
+                dx += products_ref[k, tokens, :]
+                dx -= x_coefficient * x_ref[tokens, k, pl.ds(start, chunk)].astype(_F32)
+                dx_ref[tokens, k, :] = dx.astype(dx_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, tile // window, tokens_window, 0)
+
+    pl.run_scoped(dx_chunk, pltpu.VMEM((n, tile, chunk), _F32))
 
 
 def backward_tile(
@@ -265,13 +465,15 @@ def backward_tile(
     n, g = config.n, _layout.group_rows(config.n)
     streams = _layout.stream_sublanes(n, size)
     chunk_streams = (1 if gates_only else 2) * 2 * streams * chunk * size
-    per_token = 2 * streams * padded * size + 2 * padded * size + chunk_streams + 4 * padded * 4 + 3 * chunk * 4
+    width = n * (n if gates_only else config.projection_width)
+    per_token = 2 * streams * padded * size + 2 * padded * size + chunk_streams + 3 * chunk * 4
+    per_token += streamed_bytes_per_token(n, rows, width, chunk, padded, size)
     steps = 2 * config.sinkhorn_iters * n * g if not gates_only and config.mix == "sinkhorn" else 0
     pack = _layout.round_up(rows + g + _TOKEN_SCALARS, _layout.LANES)
     per_token += 4 * (pack + 8 * rows + 2 * (1 + n) * g)
     per_token += 4 * 2 * 3 * g if carried else 0
     per_token += 4 * 2 * (rows + _layout.SUBLANES) if partials else 0
-    fixed = 3 * rows * n * padded * 4
+    fixed = 3 * rows * n * padded * 4 + _pre.stacked_bytes(n, width // n, padded, rows)
     budget = _layout.vmem_budget(capacity or _layout.chip_vmem())
     smallest = _layout.TOKEN_TILES[-1]
     if steps and smallest * (per_token + 4 * steps) + fixed > budget >= smallest * per_token + fixed:
@@ -282,6 +484,16 @@ def backward_tile(
             f"budget is {budget / 2**20:.0f} MiB)"
         )
     return _layout.choose_token_tile(operation, per_token + 4 * steps, fixed, budget)
+
+
+def streamed_bytes_per_token(n: int, rows: int, width: int, chunk: int, padded: int, size: int) -> int:
+    """VMEM per token of backward_body's streamed passes (scoped, so the compiler may reuse them,
+    counted apart): x with the streams in front (_stream_major: n Dp of x's `size`), the
+    projection's accumulators (_pre.streamed_sums: n rows of the n N = `width` products and of 128
+    squares), dH_pre's folded sums (n x 128), dP's three bf16 terms and dx's products of a chunk
+    (n x chunk f32)."""
+    projection = n * (_layout.round_up(width, _layout.LANES) + _layout.LANES) * 4
+    return n * padded * size + projection + n * _layout.LANES * 4 + _TERMS * rows * 2 + n * chunk * 4
 
 
 def _check(operation: str, config: Config, cotangents, x, params: Params, tile):
@@ -333,6 +545,7 @@ def run(
     cores: int | None = None,
     partials=None,
     slices: int = 1,
+    projection=None,
 ):
     """The pallas_call for x [T, n, D] (T > 0), shared by the pre, V4.1's carried pre and head
     backwards: returns dx [T, n, D], dcarried [T, n] (None but for a carried mix) and the
@@ -343,7 +556,9 @@ def run(
     None but for permutations. carried: OWN_GATES (V4), None (V4.1's one-hot on stream 0) or the
     carried mix [token tiles, G, tile]. The split form's finish (pre_backward_finish): partials
     [token tiles, rows + 8, tile] (tokens in the lanes) and `slices`, the devices D is split
-    over; dh then has dH_pre's group in front for V4 too, and no dcarried comes out."""
+    over; dh then has dH_pre's group in front for V4 too, and no dcarried comes out. projection:
+    the streamed projection operand of the same weight (_pre.stacked_weight_terms), required
+    unless partials are given."""
     t, n, d = x.shape
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
@@ -374,6 +589,9 @@ def run(
         pl.BlockSpec((rows, 1), whole, pipeline_mode=once),
         pl.BlockSpec((rows, 1), whole, pipeline_mode=once),
     ]
+    if not finish:
+        operands.append(projection)
+        in_specs.append(pl.BlockSpec(projection.shape, whole, pipeline_mode=once))
     if table_t is not None:
         operands.append(table_t)
         in_specs.append(pl.BlockSpec(table_t.shape, whole, pipeline_mode=once))
@@ -400,6 +618,7 @@ def run(
         dx_partial_ref, dh_ref = (None, None) if gates_only else (refs.pop(0), refs.pop(0))
         x_ref, weight_ref, scale_ref, bias_ref = refs[:4]
         refs = refs[4:]
+        projection_ref = None if finish else refs.pop(0)
         table_t_ref = refs.pop(0) if table_t is not None else None
         carried_ref = refs.pop(0) if with_carried else carried
         partials_ref = refs.pop(0) if finish else None
@@ -432,6 +651,7 @@ def run(
                 dcarried_ref=dcarried_ref,
                 given_dh_pre=True if finish else None,
                 partials_ref=partials_ref,
+                projection_ref=projection_ref,
             )
         )
 
@@ -630,6 +850,7 @@ def _backward(
         cores=cores,
         partials=partials,
         slices=slices,
+        projection=None if partials is not None else _pre.stacked_projection(config, params, d, padded),
     )
     return (dx, dcarried, *parameter_grads(config, params, gram, dbias_rows, dalpha_rows, d))
 
