@@ -115,22 +115,38 @@ def sublayer_values(x, layer_out, params, config: mj.Config, cotangents, use_ker
     return dict(zip(numpy_reference.NAMES, (layer_in, out, dx, dlayer_out, *dparams), strict=True))
 
 
-def tanh_sublayer_values(x, params, config: mj.Config, shift, dout, dlayer_in, noise=None) -> dict:
+def tanh_sublayer_values(x, params, config: mj.Config, shift, dout, dlayer_in, noise=None, rounding=None) -> dict:
     """pre -> post with the branch layer_out = tanh(layer_in) + shift in float64 (numpy_reference;
     bf16 inputs upcast exactly) and its VJP at the cotangents dout of out and dlayer_in of
     layer_in beside the branch's (arrays, or callables of out and of layer_in, for a loss such as
-    sum(exp(layer_in / 4))): "out", "layer_in", "dx", "dparams", "dshift". noise: numpy_reference's."""
+    sum(exp(layer_in / 4))): "out", "layer_in", "dx", "dparams", "dshift". noise: numpy_reference's.
+    rounding: see bf16_rounding (a bf16 program that does its own math in f32)."""
+    rounded = rounding or (lambda v: v)
     shift = np.asarray(shift, np.float64)
     zeros = np.zeros(np.shape(x)[:-2] + np.shape(x)[-1:])
     layer_in, _ = numpy_reference.forward(x, zeros, params, config, noise)
-    layer_out = np.tanh(layer_in) + shift
+    seen = rounded(layer_in)
+    layer_out = rounded(np.tanh(seen) + shift)
     _, out = numpy_reference.forward(x, layer_out, params, config, noise)
-    g = dout(out) if callable(dout) else _f64(dout)
-    direct = dlayer_in(layer_in) if callable(dlayer_in) else _f64(dlayer_in)
+    g = rounded(dout(out) if callable(dout) else _f64(dout))
+    direct = dlayer_in(seen) if callable(dlayer_in) else _f64(dlayer_in)
     _, dlayer_out, _ = numpy_reference.backward(x, layer_out, params, config, zeros, g)  # h_post g
-    total = dlayer_out * (1.0 - np.tanh(layer_in) ** 2) + direct
+    dlayer_out = rounded(dlayer_out)
+    total = rounded(dlayer_out * (1.0 - np.tanh(seen) ** 2) + direct)
     dx, _, dparams = numpy_reference.backward(x, layer_out, params, config, total, g, noise)
     return dict(out=out, layer_in=layer_in, dx=dx, dparams=dparams, dshift=dlayer_out)
+
+
+def bf16_rounding(value):
+    """value in float64 rounded to bf16 (through f32, as a program's casts round it): the
+    ``rounding=`` of the oracles (tanh_sublayer_values, chain_values) for a bf16 program whose own
+    math between the mHC operations runs in f32, so that the program rounds only the tensors it
+    passes between operations (layer_in as its branch reads it, the branch's output, the streams
+    between sublayers, the cotangents reaching each operation). The oracle rounds the same ones and
+    so holds each operation to the reference on the inputs it was given. Without it a parameter
+    gradient over a few dozen tokens, a sum that cancels, moved by 1-4% on a few seeds in 100 through
+    those roundings alone, which the spread rule (inputs moved by one f32 unit) does not see."""
+    return np.asarray(jnp.asarray(np.asarray(value, np.float32), jnp.bfloat16).astype(jnp.float32), np.float64)
 
 
 def head_loss_values(x, head, config: mj.Config, target, noise=None, output=None) -> dict:
@@ -285,7 +301,7 @@ def assert_kernel_sublayer_mixes_rounded_once(x, layer_out, params, config: mj.C
     assert_post_mixed_in_f32_and_rounded_once(values["out"], x, layer_out, h_post, h_res, context)
 
 
-def chain_values(x, sublayers, dout, noise=None, updates=None):
+def chain_values(x, sublayers, dout, noise=None, updates=None, rounding=None):
     """A DeepSeek-V4 chain of sublayers in float64, the oracle of a JAX chain's f32 evaluations
     (each path against it with assert_matches, never two paths with each other): sublayers =
     [(params, config, branch)] or [(params, config, branch, branch_args)], branch(layer_in,
@@ -294,7 +310,8 @@ def chain_values(x, sublayers, dout, noise=None, updates=None):
     per sublayer], [the gradients of branch_args per sublayer]) for the cotangent dout of out (or
     dout(out) for a callable: a loss such as sum(sin(out)) has the cotangent cos(out)). updates:
     {sublayer index: an array added to the streams before that sublayer}, an Engram seam
-    Streams(x + update, ...): the gradient passes it unchanged."""
+    Streams(x + update, ...): the gradient passes it unchanged. rounding: see bf16_rounding."""
+    rounded = rounding or (lambda v: v)
     streams = _f64(x)
     saved = []
     for index, (params, config, branch, *rest) in enumerate(sublayers):
@@ -303,11 +320,12 @@ def chain_values(x, sublayers, dout, noise=None, updates=None):
         no_layer_out = np.zeros(streams.shape[:-2] + streams.shape[-1:])  # layer_in does not read it
         layer_in, _ = numpy_reference.forward(streams, no_layer_out, params, config, noise)
         with jax.enable_x64(True):
-            layer_out, branch_vjp = jax.vjp(branch, *(jnp.asarray(_f64(a)) for a in (layer_in, *branch_args)))
-        layer_out = np.asarray(layer_out, np.float64)
+            branch_inputs = (jnp.asarray(_f64(a)) for a in (rounded(layer_in), *branch_args))
+            layer_out, branch_vjp = jax.vjp(branch, *branch_inputs)
+        layer_out = rounded(np.asarray(layer_out, np.float64))
         saved.append((streams, layer_out, branch_vjp, params, config))
-        streams = numpy_reference.forward(streams, layer_out, params, config, noise)[1]
-    g = dout(streams) if callable(dout) else _f64(dout)
+        streams = rounded(numpy_reference.forward(streams, layer_out, params, config, noise)[1])
+    g = rounded(dout(streams) if callable(dout) else _f64(dout))
     grads, branch_grads = [], []
     for before, layer_out, branch_vjp, params, config in reversed(saved):
         # dlayer_out = sum_j h_post[j] g_j does not depend on dlayer_in: one backward for it, one
@@ -315,8 +333,9 @@ def chain_values(x, sublayers, dout, noise=None, updates=None):
         zero = np.zeros(layer_out.shape)
         _, dlayer_out, _ = numpy_reference.backward(before, layer_out, params, config, zero, g)
         with jax.enable_x64(True):
-            dlayer_in, *dbranch_args = (np.asarray(a) for a in branch_vjp(jnp.asarray(dlayer_out)))
-        g, _, dparams = numpy_reference.backward(before, layer_out, params, config, dlayer_in, g, noise)
+            dlayer_in, *dbranch_args = (np.asarray(a) for a in branch_vjp(jnp.asarray(rounded(dlayer_out))))
+        g, _, dparams = numpy_reference.backward(before, layer_out, params, config, rounded(dlayer_in), g, noise)
+        g = rounded(g)
         grads.append(dparams)
         branch_grads.append(dbranch_args)
     return streams, g, grads[::-1], branch_grads[::-1]
@@ -362,7 +381,7 @@ def carried_chain_values(x, sublayers, dout, noise=None, updates=None):
     return out, g, grads[::-1], branch_grads[::-1]
 
 
-def perturbed_chain_values(rng, x, sublayers, dout, updates=None):
+def perturbed_chain_values(rng, x, sublayers, dout, updates=None, rounding=None):
     """chain_values on inputs, parameters, branch arguments and updates moved by
     round_by_one_unit(rng, ...) and with noise=rng: the spread that assert_matches' rule measures."""
     moved = [
@@ -372,7 +391,9 @@ def perturbed_chain_values(rng, x, sublayers, dout, updates=None):
     dout = dout if callable(dout) else round_by_one_unit(rng, dout)
     values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
     moved_updates = {index: round_by_one_unit(rng, update) for index, update in (updates or {}).items()}
-    return values(round_by_one_unit(rng, x), moved, dout, noise=rng, updates=moved_updates)
+    if rounding is None:  # carried_chain_values takes none
+        return values(round_by_one_unit(rng, x), moved, dout, noise=rng, updates=moved_updates)
+    return values(round_by_one_unit(rng, x), moved, dout, noise=rng, updates=moved_updates, rounding=rounding)
 
 
 def assert_chain_matches(got, x, sublayers, dout, context="", updates=None):

@@ -35,6 +35,7 @@ from conftest import (  # noqa: E402
     assert_chain_matches,
     assert_matches,
     assert_sublayer_matches_reference,
+    bf16_rounding,
     chain_values,
     head_loss_values,
     perturbed_chain_values,
@@ -46,6 +47,7 @@ from conftest import (  # noqa: E402
 N_STREAMS, D = 4, 32
 SHAPE = (8, 6, N_STREAMS, D)  # [batch, seq, n, D]: 48 tokens
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}  # spec: Accuracy
+ROUNDING = {jnp.float32: None, jnp.bfloat16: bf16_rounding}  # the oracles' rounding= per dtype
 
 _COLLECTIVE = re.compile(
     r"= (\([^)]*\)|\S+) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter|collective-broadcast)"
@@ -100,29 +102,12 @@ def programs(config, w, w_in, constrain=None):
 
 def programs_oracle(config, x, params, w, w_in, noise=None, rounding=None):
     """programs' forward and gradient in float64: ((out, layer_in), (dx, dparams)); the loss's
-    cotangents are w for out and w_in + exp(layer_in / 4) / 4 for layer_in. rounding (a bf16
-    program's): the rounding of each tensor the program passes between its operations in bf16
-    (layer_in as tanh reads it, tanh's output, post's dlayer_out, the cotangents reaching post and
-    pre), so that each mHC operation is held to the reference on the inputs it was given. Without
-    it, the 48-token parameter gradients, sums that cancel, moved by 1-3% on 5% of seeds
-    through those roundings alone, which one f32 unit's spread does not see."""
-    rounded = (lambda v: v) if rounding is None else rounding
+    cotangents are w for out and w_in + exp(layer_in / 4) / 4 for layer_in. rounding: a bf16
+    program's (conftest.bf16_rounding)."""
     w, w_in = (np.asarray(v, np.float64) for v in (w, w_in))
-    zeros = np.zeros(np.shape(x)[:-2] + np.shape(x)[-1:])
-    layer_in, _ = numpy_reference.forward(x, zeros, params, config, noise)
-    seen = rounded(layer_in)
-    layer_out = rounded(np.tanh(seen))
-    _, out = numpy_reference.forward(x, layer_out, params, config, noise)
-    g = rounded(w)
-    _, dlayer_out, _ = numpy_reference.backward(x, layer_out, params, config, zeros, g)  # h_post g
-    total = rounded(rounded(dlayer_out) * (1.0 - np.tanh(seen) ** 2) + w_in + np.exp(seen / 4) / 4)
-    dx, _, dparams = numpy_reference.backward(x, layer_out, params, config, total, g, noise)
-    return (out, layer_in), (dx, dparams)
-
-
-def bf16_rounding(value):
-    """value in float64 rounded to bf16 (through f32, as the program's casts round)."""
-    return np.asarray(jnp.asarray(np.asarray(value, np.float32), jnp.bfloat16).astype(jnp.float32), np.float64)
+    direct = lambda li: w_in + np.exp(li / 4) / 4  # noqa: E731
+    v = tanh_sublayer_values(x, params, config, 0.0, w, direct, noise, rounding)
+    return (v["out"], v["layer_in"]), (v["dx"], v["dparams"])
 
 
 @functools.cache
@@ -130,7 +115,7 @@ def oracle(mix, dtype, seed, shape=SHAPE):
     """programs_oracle on inputs(mix, dtype, seed, shape), and perturbed(rng): the same on inputs
     moved by one f32 unit with noise=rng (the spread of conftest.assert_matches' rule)."""
     config, x, params, w, w_in = inputs(mix, dtype, seed, shape)
-    rounding = bf16_rounding if dtype == jnp.bfloat16 else None
+    rounding = ROUNDING[dtype]
 
     def perturbed(rng):
         moved = (round_by_one_unit(rng, v) for v in (x, params, w, w_in))
@@ -156,18 +141,21 @@ def compare(name, got, want, perturbed, dtype, seed):
         assert_matches(label, value, expected, TOLERANCE[dtype], resample, f"(seed {seed})")
 
 
-def chain_oracle(x, sublayers, target, rng=None, output=lambda v: v) -> dict:
+def chain_oracle(x, sublayers, target, rng=None, output=lambda v: v, rounding=None) -> dict:
     """A V4 chain (conftest.chain_values' sublayers) and the loss sum((its streams - target)^2)
     in float64: "out", "loss", "dx", "dparams" (one per sublayer), "dbranch" (the branch
     arguments' gradients, one tuple per sublayer); with rng, on inputs moved by one f32 unit and
     noise=rng (conftest.perturbed_chain_values). output: the rounding of the streams the loss
-    sees (a bf16 chain's)."""
+    sees (a bf16 chain's); rounding: conftest.chain_values'."""
     target = np.asarray(target, np.float64)
 
     def dout(out):
         return 2.0 * (output(out) - target)
 
-    values = chain_values(x, sublayers, dout) if rng is None else perturbed_chain_values(rng, x, sublayers, dout)
+    if rng is None:
+        values = chain_values(x, sublayers, dout, rounding=rounding)
+    else:
+        values = perturbed_chain_values(rng, x, sublayers, dout, rounding=rounding)
     out, dx, dparams, dbranch = values
     return dict(out=out, loss=np.sum(np.square(out - target)), dx=dx, dparams=dparams, dbranch=dbranch)
 
@@ -600,15 +588,21 @@ def check_shard_map(dtype, seed, layouts=tuple(SHARD_MAP_LAYOUTS), check_vma=Tru
         jnp.array([0.8], jnp.float32),
     )
 
+    # The branches' own math in f32 (conftest.bf16_rounding: a bf16 program then rounds only what it
+    # passes between operations, and the oracle rounds the same).
+    def branch(h, shift):  # elementwise: D may be split
+        return (jnp.tanh(h.astype(jnp.float32)) + shift.astype(jnp.float32)).astype(h.dtype)
+
     def sublayer_pair(tensor_axis, x, params, u):
         layer_in, ctx = mj.pre(x, params, config, tensor_axis=tensor_axis)
-        return mj.post(jnp.tanh(layer_in) + u[0], ctx), layer_in
+        return mj.post(branch(layer_in, u[0]), ctx), layer_in.astype(jnp.float32)
 
     def chain(tensor_axis, x, layers, u):
         state = x
         for index, params in enumerate(layers):
-            branch = lambda h, index=index: jnp.tanh(h) + u[index]  # noqa: E731  (elementwise: D may be split)
-            state = mj.sublayer(state, params, config, branch, tensor_axis=tensor_axis)
+            state = mj.sublayer(
+                state, params, config, functools.partial(branch, shift=u[index]), tensor_axis=tensor_axis
+            )
         return (mj.finish(state),)
 
     def head_only(tensor_axis, x, head, u):
@@ -630,7 +624,7 @@ def check_shard_map(dtype, seed, layouts=tuple(SHARD_MAP_LAYOUTS), check_vma=Tru
 
         if what == "sublayer chain":  # chain_oracle moves the inputs itself
             sublayers = [(p, config, lambda h, shift: jnp.tanh(h) + shift, (u[i],)) for i, p in enumerate(layers)]
-            v = chain_oracle(x, sublayers, w64, rng, output)
+            v = chain_oracle(x, sublayers, w64, rng, output, ROUNDING[dtype])
             return (v["out"],), (v["dx"], v["dparams"], np.stack([d[0] for d in v["dbranch"]]))
         move = (lambda v: v) if rng is None else functools.partial(round_by_one_unit, rng)
         x_, u_ = move(x), np.asarray(move(u), np.float64)
@@ -643,6 +637,7 @@ def check_shard_map(dtype, seed, layouts=tuple(SHARD_MAP_LAYOUTS), check_vma=Tru
                 lambda out: 2.0 * (output(out) - w64),
                 lambda li: np.exp(output(li) / 4) / 4,
                 rng,
+                ROUNDING[dtype],
             )
             du = np.stack([v["dshift"], np.zeros(u_.shape[1:]), np.zeros(u_.shape[1:])])
             return (v["out"], v["layer_in"]), (v["dx"], v["dparams"], du)
