@@ -29,6 +29,10 @@ _F32 = jnp.float32
 # more spills beyond 2 in the v5e and v6e compiles).
 _PAIR_ROWS = 8
 _PAIR_UNROLL = 2
+# _bf16_pairs_backward_kernel's: 8 tokens a step, unrolled by 2 (v5e compiles, bundles per grid
+# step at D = 2048: 16,594; unrolled by 1: 17,289; 16 tokens: 18,218, by 2: 19,130, more spills).
+_BACKWARD_ROWS = 8
+_BACKWARD_UNROLL = 2
 
 
 def _stream(ref, k: int):
@@ -120,6 +124,132 @@ def _bf16_pairs_mix(h_post, h_res):
     coefficients = jnp.concatenate([h_res, h_post[:, None, :]], axis=1)  # [T, i, j]
     by_output = jnp.swapaxes(coefficients, 1, 2).reshape(t, 2, 2, n + 1)  # [T, h, p, i], j = 2h + p
     return by_output.reshape(2 * t, 2 * (n + 1))
+
+
+def _bf16_pairs_backward_kernel(
+    g_ref, x_ref, layer_out_ref, mix_ref, dx_ref, dlayer_out_ref, sums_ref, *, rows: int, chunk_axis: int = 1
+):
+    """post_backward's kernel for bf16 g, x and layer_out at n = 4, on their own VMEM layout (as
+    _bf16_pairs_forward_kernel: `rows` tokens x 128 lanes of a [tile, 4, chunk] block, as uint32,
+    are a dense [2 rows, 128] value, streams 0 and 1 of token t in sublane 2t, 2 and 3 in 2t + 1),
+    streamed through registers `rows` tokens at a time instead of whole (tile, chunk) f32 streams
+    relaid out per use (_backward_kernel: spills).
+    mix_ref [2 tile, 12] f32 (_bf16_pairs_backward_mix): row 2t + h holds H_res[t, 2h + p, j] at
+    column 4p + j and H_post[t, j] at 8 + j. sums_ref [2 tile, 10] f32, resident over the chunks
+    (chunk_axis): row 2t + h accumulates dh_res[t, 2h + p, j] at column 4p + j and dh_post[t, 2h +
+    p] at 8 + p (_bf16_pairs_sums splits it). dx and dlayer_out are the same f32 products and sums
+    in the same order as _backward_kernel, rounded the same way: the same bits; the sums over D add
+    per lane over the chunk's 128-lane tiles, then over the lanes, then over the chunks."""
+    n, height = 4, 2 * rows
+    vreg, values = (_layout.SUBLANES, _layout.LANES), (height, _layout.LANES)
+    even = (jax.lax.broadcasted_iota(jnp.int32, values, 0) & 1) == 0
+    # layer_out's row of token t on both of its sublanes (as _bf16_pairs_forward_kernel)
+    gathers = [(jax.lax.broadcasted_iota(jnp.int32, vreg, 0) >> 1) + 4 * (v % 2) for v in range(height // 8)]
+    # dlayer_out's tokens back on one sublane each: sublane r of vreg v (tokens 4 v to 4 v + 3 on
+    # their even sublanes) takes sublane 2 r mod 8; the first half of each 8-token vreg from v even.
+    in_vreg = jax.lax.broadcasted_iota(jnp.int32, vreg, 0)
+    compact = (in_vreg << 1) & (_layout.SUBLANES - 1)
+    first_half = in_vreg < 4
+    high = jnp.uint32(0xFFFF0000)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (height, 2 * (n + 1)), 1)
+
+    @pl.when(pl.program_id(chunk_axis) == 0)
+    def _first_chunk():
+        sums_ref[...] = jnp.zeros(sums_ref.shape, _F32)
+
+    def unpack(packed):
+        """[2 rows, 128] uint32 of bf16 pairs -> (stream 2h, stream 2h + 1) of token t in sublane
+        2t + h, as f32 (exact)."""
+        low = pltpu.bitcast(packed << 16, _F32)  # stream 0 at sublane 2t, stream 2 at 2t + 1
+        high_half = pltpu.bitcast(packed & high, _F32)  # streams 1 and 3
+        return low, high_half
+
+    def row_group(group, carry):
+        first = pl.multiple_of(group * rows, rows)
+        tokens = pl.ds(first, rows)
+        pair_rows = pl.ds(pl.multiple_of(first * 2, height), height)
+        mix = mix_ref[pair_rows, :]
+        columns = [jnp.broadcast_to(mix[:, c : c + 1], values) for c in range(3 * n)]
+        sums = [jnp.zeros(values, _F32) for _ in range(2 * (n + 1))]
+        for lane_tile in range(x_ref.shape[2] // _layout.LANES):
+            lanes = pl.ds(lane_tile * _layout.LANES, _layout.LANES)
+            layer_out_rows = layer_out_ref[tokens, lanes].astype(_F32)
+            layer_out = jnp.concatenate(
+                [
+                    jnp.take_along_axis(layer_out_rows[8 * (v // 2) : 8 * (v // 2) + 8], g, axis=0)
+                    for v, g in enumerate(gathers)
+                ],
+                axis=0,
+            )
+            low_g, high_g = unpack(pltpu.bitcast(g_ref[tokens, :, lanes].reshape(rows * n, _layout.LANES), jnp.uint32))
+            g = [
+                jnp.where(even, low_g, pltpu.roll(low_g, 1, 0)),
+                jnp.where(even, high_g, pltpu.roll(high_g, 1, 0)),
+                jnp.where(even, pltpu.roll(low_g, height - 1, 0), low_g),
+                jnp.where(even, pltpu.roll(high_g, height - 1, 0), high_g),
+            ]
+            x_streams = unpack(pltpu.bitcast(x_ref[tokens, :, lanes].reshape(rows * n, _layout.LANES), jnp.uint32))
+            # Spec, Backward (post): dlayer_out = sum_j H_post[j] g_j (on both sublanes of a token).
+            dlayer_out = columns[2 * n] * g[0]
+            for j in range(1, n):
+                dlayer_out += columns[2 * n + j] * g[j]
+            dlayer_out = jnp.concatenate(
+                [
+                    jnp.where(
+                        first_half,
+                        jnp.take_along_axis(dlayer_out[16 * v : 16 * v + 8], compact, axis=0),
+                        jnp.take_along_axis(dlayer_out[16 * v + 8 : 16 * v + 16], compact, axis=0),
+                    )
+                    for v in range(rows // 8)
+                ],
+                axis=0,
+            )
+            dlayer_out_ref[tokens, lanes] = dlayer_out.astype(dlayer_out_ref.dtype)
+            halves = []
+            for p in range(2):
+                # dx_i = sum_j H_res[i, j] g_j, i = 2h + p at sublane 2t + h.
+                dx = columns[p * n] * g[0]
+                for j in range(1, n):
+                    dx += columns[p * n + j] * g[j]
+                bits = pltpu.bitcast(dx, jnp.uint32)
+                rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+                halves.append(jnp.where(dx != dx, jnp.uint32(0x7FC00000), rounded) & high)
+                # dh_res[i, j] += x_i g_j, dh_post[i] += layer_out g_i, i = 2h + p.
+                for j in range(n):
+                    sums[p * n + j] += x_streams[p] * g[j]
+                sums[2 * n + p] += layer_out * (low_g, high_g)[p]
+            words = halves[1] | (halves[0] >> 16)
+            dx_ref[tokens, :, lanes] = pltpu.bitcast(words, dx_ref.dtype).reshape(rows, n, _layout.LANES)
+        result = jnp.zeros((height, 2 * (n + 1)), _F32)
+        for c, value in enumerate(sums):
+            result = jnp.where(lane == c, jnp.sum(value, axis=1, keepdims=True), result)
+        sums_ref[pair_rows, :] += result
+        return carry
+
+    jax.lax.fori_loop(0, x_ref.shape[0] // rows, row_group, 0, unroll=_BACKWARD_UNROLL)
+
+
+def _bf16_pairs_backward_mix(h_post, h_res):
+    """_bf16_pairs_backward_kernel's mix_ref [2 T, 12] from h_post [T, 4] and h_res [T, 4, 4]: row
+    2t + h holds h_res[t, 2h + p, :] at columns 4p to 4p + 3, then h_post[t]."""
+    t, n = h_post.shape
+    by_row = h_res.reshape(t, 2, 2 * n)  # [T, h, (p, j)]
+    return jnp.concatenate([by_row, jnp.broadcast_to(h_post[:, None, :], (t, 2, n))], axis=2).reshape(2 * t, 3 * n)
+
+
+def _bf16_pairs_sums(sums, t: int):
+    """(dh_post [T, 4], dh_res [T, 4, 4]) from _bf16_pairs_backward_kernel's sums [2 T, 10]."""
+    n = 4
+    by_token = sums.reshape(t, 2, 2 * (n + 1))  # [T, h, column]
+    dh_res = by_token[:, :, : 2 * n].reshape(t, n, n)  # [T, (h, p), j]
+    dh_post = by_token[:, :, 2 * n :].reshape(t, n)  # [T, (h, p)]
+    return dh_post, dh_res
+
+
+def pairs(n: int, dtype, layer_out_dtype) -> bool:
+    """Whether the post kernels run on x's own layout (the bf16 pairs kernels): bf16 x and layer_out
+    at n = 4."""
+    return n == 4 and jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(layer_out_dtype) == jnp.bfloat16
 
 
 def _columns(values, width: int):
@@ -302,16 +432,27 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
     b = _blocks(t, n, d, tile)
     padded = b.padded
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
-    dx, dlayer_out, dh_post, dh_res = pl.pallas_call(
-        functools.partial(_backward_kernel, n=n),
+    if pairs(n, x.dtype, layer_out.dtype):
+        kernel = functools.partial(_bf16_pairs_backward_kernel, rows=_BACKWARD_ROWS)
+        coefficient_specs = [pl.BlockSpec((2 * tile, 3 * n), lambda i, c: (i, 0))]
+        coefficients = [_bf16_pairs_backward_mix(h_post, h_res)]
+        sum_specs = [pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda i, c: (i, 0))]
+        sum_shapes = [jax.ShapeDtypeStruct((2 * t, 2 * (n + 1)), _F32)]
+    else:
+        kernel = functools.partial(_backward_kernel, n=n)
+        coefficient_specs = [b.h_post, b.h_res]
+        coefficients = [h_post, h_res.reshape(t, n * n)]
+        sum_specs = [b.h_post, b.h_res]
+        sum_shapes = [jax.ShapeDtypeStruct((t, n), _F32), jax.ShapeDtypeStruct((t, n * n), _F32)]
+    dx, dlayer_out, *sums = pl.pallas_call(
+        kernel,
         grid=b.grid,
-        in_specs=[b.streams, b.streams, b.features, b.h_post, b.h_res],
-        out_specs=[b.streams, b.features, b.h_post, b.h_res],
+        in_specs=[b.streams, b.streams, b.features, *coefficient_specs],
+        out_specs=[b.streams, b.features, *sum_specs],
         out_shape=[
             jax.ShapeDtypeStruct((t, n, padded), x.dtype),
             jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
-            jax.ShapeDtypeStruct((t, n), _F32),
-            jax.ShapeDtypeStruct((t, n * n), _F32),
+            *sum_shapes,
         ],
         name=_layout.kernel_name("post_backward", tile),
         # dh_post and dh_res add over the feature chunks in order.
@@ -326,10 +467,10 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
         _layout.pad_features(g, padded),
         _layout.pad_features(x, padded),
         _layout.pad_features(layer_out, padded),
-        h_post,
-        h_res.reshape(t, n * n),
+        *coefficients,
     )
-    return dx[:, :, :d], dlayer_out[:, :d], dh_post, dh_res.reshape(t, n, n)
+    dh_post, dh_res = _bf16_pairs_sums(sums[0], t) if len(sums) == 1 else (sums[0], sums[1].reshape(t, n, n))
+    return dx[:, :, :d], dlayer_out[:, :d], dh_post, dh_res
 
 
 def empty_backward(x, layer_out) -> tuple:
