@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mhc._config import Config, Params
+from mhc._config import Config, Params, PreApply
 from mhc.tpu import _layout, _post, _pre, _pre_backward
 
 _F32 = jnp.float32
@@ -39,7 +39,8 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool, pairs: 
     (_post._bf16_pairs_mix), not h_post and h_res."""
     x_ref, layer_out_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
     post_refs = [parameters.pop(0) for _ in range(1 if pairs else 2)]
-    carried_ref = parameters.pop(0) if carried else _pre.OWN_GATES
+    mode = PreApply.CARRIED if carried else PreApply.OWN_GATES
+    carried_ref = _pre.pop_carried_ref(mode, parameters)
     if pairs:
         _post_pairs(x_ref, layer_out_ref, post_refs[0], x_next_ref)
     else:
@@ -51,6 +52,7 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool, pairs: 
         coefficients_ref,
         config=config,
         features=features,
+        mode=mode,
         carried_ref=carried_ref,
     )
 
@@ -112,7 +114,7 @@ def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params
     mhc.tpu.pre_forward."""
     _post._check("boundary_forward", config, x, layer_out, h_post, h_res, tile)
     _pre.check_params("boundary_forward", config, x, params)
-    return _forward(config, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret)
+    return _forward(config, x, layer_out, None, h_post, h_res, params, tile, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
@@ -140,9 +142,10 @@ def _check_h_pre(operation: str, h_pre, x):
 
 
 def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret):
-    """The fused forward for checked operands; h_pre OWN_GATES (V4) or the carried mix [T, n]."""
+    """The fused forward for checked operands; h_pre None (V4: the pre mixes with its own gates) or
+    the carried mix [T, n]."""
     t, n, d = x.shape
-    carried = h_pre is not _pre.OWN_GATES
+    carried = h_pre is not None
     tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (jnp.zeros(x.shape, x.dtype), *_pre.empty_forward(x))
@@ -220,7 +223,8 @@ def _backward_kernel(
     refs = refs[11:]
     mix_ref, backward_mix_ref = (refs.pop(0), refs.pop(0)) if pairs else (None, None)
     table_t_ref = refs.pop(0) if permutations else None
-    carried_ref = refs.pop(0) if carried else _pre.OWN_GATES
+    mode = PreApply.CARRIED if carried else PreApply.OWN_GATES
+    carried_ref = _pre.pop_carried_ref(mode, refs)
     dx_partial_ref, dlayer_out_ref = refs[:2]
     sum_refs, refs = (refs[2:3], refs[3:]) if pairs else (refs[2:4], refs[4:])
     gram_ref, dbias_ref, dalpha_ref = refs[:3]
@@ -264,6 +268,7 @@ def _backward_kernel(
             features=features,
             tokens=tokens,
             split=split,
+            mode=mode,
             carried_ref=carried_ref,
             dcarried_ref=dh_pre_ref,
             projection_ref=projection_ref,
@@ -362,7 +367,7 @@ def boundary_backward(
     operation = "boundary_backward"
     cotangents = (dlayer_in, dx_partial_next, None, dh_post_next, dh_res_next)
     _check_backward(operation, config, cotangents, x, layer_out, h_post, h_res, params, tile)
-    return _backward(config, cotangents, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret, cores)
+    return _backward(config, cotangents, x, layer_out, None, h_post, h_res, params, tile, interpret, cores)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
@@ -418,10 +423,10 @@ def _check_backward(operation: str, config: Config, cotangents, x, layer_out, h_
 
 def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret, cores):
     """The fused backward for checked operands: cotangents (dlayer_in, dx_partial, dh_pre or None
-    (V4), dh_post, dh_res) of l+1; h_pre OWN_GATES (V4) or l's, the carried mix of l+1."""
+    (V4), dh_post, dh_res) of l+1; h_pre None (V4) or l's, the carried mix of l+1."""
     dlayer_in, dx_partial_next, dh_pre_next, dh_post_next, dh_res_next = cotangents
     t, n, d = x.shape
-    carried = h_pre is not _pre.OWN_GATES
+    carried = h_pre is not None
     tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (
