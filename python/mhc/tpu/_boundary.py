@@ -212,23 +212,20 @@ def _backward_kernel(
 ):
     """carried: V4.1's boundary: h_pre of l ((G, tile), after the parameters) is l+1's carried mix,
     dh_next starts with l+1's dH_pre group, and dh_pre of l ((G, tile), after dalpha) receives
-    l+1's dcarried. pairs (_pairs): the post's mix blocks [2 tile, 10] (forward) and [2 tile, 12]
-    (backward) follow the projection operand, x_{l+1} is recomputed by post_forward's bf16 pairs
-    kernel and the post backward is post_backward's, its dh_post and dh_res one sums block [2 tile,
-    10] (_post._bf16_pairs_sums). Runs only at the grid
+    l+1's dcarried. pairs (_pairs): the post's mix block [2 tile, 10] follows the projection
+    operand, x_{l+1} is recomputed by post_forward's bf16 pairs kernel and the post backward is
+    post_backward's (_post._bf16_pairs_backward_kernel). Runs only at the grid
     steps that hold a token tile (split)."""
     refs = list(refs)
     dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
     weight_ref, scale_ref, bias_ref, projection_ref = refs[7:11]
     refs = refs[11:]
-    mix_ref, backward_mix_ref = (refs.pop(0), refs.pop(0)) if pairs else (None, None)
+    mix_ref = refs.pop(0) if pairs else None
     table_t_ref = refs.pop(0) if permutations else None
     mode = PreApply.CARRIED if carried else PreApply.OWN_GATES
     carried_ref = _pre.pop_carried_ref(mode, refs)
-    dx_partial_ref, dlayer_out_ref = refs[:2]
-    sum_refs, refs = (refs[2:3], refs[3:]) if pairs else (refs[2:4], refs[4:])
-    gram_ref, dbias_ref, dalpha_ref = refs[:3]
-    refs = refs[3:]
+    dx_partial_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, gram_ref, dbias_ref, dalpha_ref = refs[:7]
+    refs = refs[7:]
     dh_pre_ref = refs.pop(0) if carried else None
     x_next_ref, g_ref = refs[:2]
     steps_ref = refs[2] if sinkhorn else None
@@ -274,31 +271,23 @@ def _backward_kernel(
             projection_ref=projection_ref,
         )
         lanes = pl.ds(pl.multiple_of(chunk_index * chunk, _layout.LANES), chunk)
-        if pairs:
-            _post._bf16_pairs_backward_kernel(
-                g_ref,
-                x_ref.at[:, :, lanes],
-                layer_out_ref.at[:, lanes],
-                backward_mix_ref,
-                dx_partial_ref,
-                dlayer_out_ref,
-                *sum_refs,
-                rows=_post._BACKWARD_ROWS,
-                chunk_axis=len(split.grid) - 1,
-            )
-        else:
-            _post._backward_kernel(
-                g_ref,
-                x_ref.at[:, :, lanes],
-                layer_out_ref.at[:, lanes],
-                h_post_ref,
-                h_res_ref,
-                dx_partial_ref,
-                dlayer_out_ref,
-                *sum_refs,
-                n=config.n,
-                chunk_axis=len(split.grid) - 1,
-            )
+        post_backward = (
+            functools.partial(_post._bf16_pairs_backward_kernel, rows=_post._BACKWARD_ROWS)
+            if pairs
+            else functools.partial(_post._backward_kernel, n=config.n)
+        )
+        post_backward(
+            g_ref,
+            x_ref.at[:, :, lanes],
+            layer_out_ref.at[:, lanes],
+            h_post_ref,
+            h_res_ref,
+            dx_partial_ref,
+            dlayer_out_ref,
+            dh_post_ref,
+            dh_res_ref,
+            chunk_axis=len(split.grid) - 1,
+        )
 
     split.when_holding_a_tile(step)
 
@@ -441,7 +430,7 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     parameters = [weight, scale, bias, _pre.stacked_projection(config, params, d, padded)]
     pairs = _pairs(n, x.dtype, layer_out.dtype)
     if pairs:
-        parameters += [_post._bf16_pairs_mix(h_post, h_res), _post._bf16_pairs_backward_mix(h_post, h_res)]
+        parameters.append(_post._bf16_pairs_mix(h_post, h_res))
     if config.mix == "permutations":
         parameters.append(jnp.asarray(_pre._permutation_table(n).T))
     dh_next = _pre_backward.coefficient_cotangents(config, dh_pre_next, dh_post_next, dh_res_next, tile)
@@ -456,14 +445,8 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     single = pl.Buffered(buffer_count=1)
     resident = lambda *step: (0, 0)  # noqa: E731
     parameter_specs = [pl.BlockSpec(p.shape, resident, pipeline_mode=single) for p in parameters]
-    if pairs:  # the post's mixes: a block per token tile
-        for index, width in ((4, 2 * (n + 1)), (5, 3 * n)):
-            parameter_specs[index] = pl.BlockSpec((2 * tile, width), lambda *step: (split.tile_block(*step), 0))
-    # dh_post and dh_res: one block of the pairs kernel's sums, or one each
-    sums = pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda *step: (split.tile_block(*step), 0))
-    sum_specs = [sums] if pairs else [gates, mix]
-    sum_shapes = [jax.ShapeDtypeStruct((2 * t, 2 * (n + 1)), _F32)] if pairs else []
-    sum_shapes = sum_shapes or [jax.ShapeDtypeStruct((t, n), _F32), jax.ShapeDtypeStruct((t, n * n), _F32)]
+    if pairs:  # the post's mix: a block per token tile
+        parameter_specs[4] = pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda *step: (split.tile_block(*step), 0))
     per_tile = pl.BlockSpec((None, g, tile), lambda *step: (split.tile_block(*step), 0, 0))
     if carried:
         parameters.append(_pre.carried_lanes(config, h_pre, tile))
@@ -474,7 +457,7 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     scratch.append(pltpu.VMEM((tile, rows + g + _layout.SUBLANES), _F32))
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
     flops, transcendentals, coefficient_bytes = _pre.coefficient_cost(config, t, padded)
-    dx_partial, dlayer_out, *outputs = pl.pallas_call(
+    dx_partial, dlayer_out, dh_post, dh_res, gram, dbias_rows, dalpha_rows, *dh_pre = pl.pallas_call(
         functools.partial(
             _backward_kernel,
             config=config,
@@ -500,14 +483,16 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
         out_specs=[
             chunk_stream,
             chunk_features,
-            *sum_specs,
+            gates,
+            mix,
             *_pre_backward.accumulator_specs(split, weight.shape, rows),
             *([per_tile] if carried else []),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((t, n, padded), x.dtype),
             jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
-            *sum_shapes,
+            jax.ShapeDtypeStruct((t, n), _F32),
+            jax.ShapeDtypeStruct((t, n * n), _F32),
             *_pre_backward.accumulator_shapes(split, weight.shape, rows),
             *([jax.ShapeDtypeStruct((pl.cdiv(t, tile), g, tile), _F32)] if carried else []),
         ],
@@ -540,16 +525,11 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
         h_res.reshape(t, n * n),
         *parameters,
     )
-    if pairs:
-        (dh_post, dh_res), outputs = _post._bf16_pairs_sums(outputs[0], t), outputs[1:]
-    else:
-        (dh_post, dh_res), outputs = (outputs[0], outputs[1].reshape(t, n, n)), outputs[2:]
-    gram, dbias_rows, dalpha_rows, *dh_pre = outputs
     return (
         dx_partial[:, :, :d],
         dlayer_out[:, :d],
         dh_post,
-        dh_res,
+        dh_res.reshape(t, n, n),
         *([_layout.tokens_from_lanes(dh_pre[0], t, n)] if carried else []),
         *_pre_backward.parameter_grads(
             config,

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mhc._config import Config
-from mhc.tpu import _layout
+from mhc.tpu import _layout, _pre
 
 _F32 = jnp.float32
 # _bf16_pairs_forward_kernel's loop: tokens per step (two f32 vregs of 8 sublanes per value, two
@@ -29,8 +29,9 @@ _F32 = jnp.float32
 # more spills beyond 2 in the v5e and v6e compiles).
 _PAIR_ROWS = 8
 _PAIR_UNROLL = 2
-# _bf16_pairs_backward_kernel's: 8 tokens a step, unrolled by 2 (v5e compiles, bundles per grid
-# step at D = 2048: 16,594; unrolled by 1: 17,289; 16 tokens: 18,218, by 2: 19,130, more spills).
+# _bf16_pairs_backward_kernel's: 8 tokens a step, unrolled by 2 (bundles per grid step at D =
+# 2048, v5e / v6e: 14,448 / 12,541; not unrolled 17,096 / 14,361; 16 tokens 14,768 / 12,141, not
+# unrolled 15,208 / 12,124: the least over both chips, the fewest spills on v5e).
 _BACKWARD_ROWS = 8
 _BACKWARD_UNROLL = 2
 
@@ -127,123 +128,94 @@ def _bf16_pairs_mix(h_post, h_res):
 
 
 def _bf16_pairs_backward_kernel(
-    g_ref, x_ref, layer_out_ref, mix_ref, dx_ref, dlayer_out_ref, sums_ref, *, rows: int, chunk_axis: int = 1
+    g_ref,
+    x_ref,
+    layer_out_ref,
+    h_post_ref,
+    h_res_ref,
+    dx_ref,
+    dlayer_out_ref,
+    dh_post_ref,
+    dh_res_ref,
+    *,
+    rows: int,
+    chunk_axis: int = 1,
 ):
-    """post_backward's kernel for bf16 g, x and layer_out at n = 4, on their own VMEM layout (as
-    _bf16_pairs_forward_kernel: `rows` tokens x 128 lanes of a [tile, 4, chunk] block, as uint32,
-    are a dense [2 rows, 128] value, streams 0 and 1 of token t in sublane 2t, 2 and 3 in 2t + 1),
-    streamed through registers `rows` tokens at a time instead of whole (tile, chunk) f32 streams
-    relaid out per use (_backward_kernel: spills).
-    mix_ref [2 tile, 12] f32 (_bf16_pairs_backward_mix): row 2t + h holds H_res[t, 2h + p, j] at
-    column 4p + j and H_post[t, j] at 8 + j. sums_ref [2 tile, 10] f32, resident over the chunks
-    (chunk_axis): row 2t + h accumulates dh_res[t, 2h + p, j] at column 4p + j and dh_post[t, 2h +
-    p] at 8 + p (_bf16_pairs_sums splits it). dx and dlayer_out are the same f32 products and sums
-    in the same order as _backward_kernel, rounded the same way: the same bits; the sums over D add
-    per lane over the chunk's 128-lane tiles, then over the lanes, then over the chunks."""
-    n, height = 4, 2 * rows
-    vreg, values = (_layout.SUBLANES, _layout.LANES), (height, _layout.LANES)
-    even = (jax.lax.broadcasted_iota(jnp.int32, values, 0) & 1) == 0
-    # layer_out's row of token t on both of its sublanes (as _bf16_pairs_forward_kernel)
-    gathers = [(jax.lax.broadcasted_iota(jnp.int32, vreg, 0) >> 1) + 4 * (v % 2) for v in range(height // 8)]
-    # dlayer_out's tokens back on one sublane each: sublane r of vreg v (tokens 4 v to 4 v + 3 on
-    # their even sublanes) takes sublane 2 r mod 8; the first half of each 8-token vreg from v even.
-    in_vreg = jax.lax.broadcasted_iota(jnp.int32, vreg, 0)
-    compact = (in_vreg << 1) & (_layout.SUBLANES - 1)
-    first_half = in_vreg < 4
+    """post_backward's kernel for bf16 g, x and layer_out at n = 4 (_backward_kernel's operands and
+    results), on their own VMEM layout, streamed through registers `rows` tokens at a time instead
+    of whole (tile, chunk) f32 streams relaid out per use (_backward_kernel: spills). `rows`
+    tokens x 128 lanes of a [tile, 4, chunk] block are, as 32-bit words, a dense [2 rows, 128]
+    value (_bf16_pairs_forward_kernel): word row 2t holds streams 0 (low half) and 1 (high half) of
+    token t, row 2t + 1 streams 2 and 3. Stored once to VMEM, two sublane-strided loads give them
+    back with one token per sublane, a shift or a mask makes each half an f32 (as
+    _pre._pairs_streams); dx goes back the same way (two strided stores of its packed halves, one
+    dense load). Each lane tile and use has its own scratch words, so the scheduler can overlap
+    them. dx and dlayer_out are the same f32 products and sums in the same order as
+    _backward_kernel, rounded the same way (to nearest even; a NaN stays a NaN): the same bits. The
+    sums over D (dh_post, dh_res) add per lane over the chunk's 128-lane tiles, then over the
+    lanes, then over the chunks (chunk_axis), in f32."""
+    n = 4
+    values = (rows, _layout.LANES)
     high = jnp.uint32(0xFFFF0000)
-    lane = jax.lax.broadcasted_iota(jnp.int32, (height, 2 * (n + 1)), 1)
+    post_lanes = jax.lax.broadcasted_iota(jnp.int32, (rows, n), 1)
+    res_lanes = jax.lax.broadcasted_iota(jnp.int32, (rows, n * n), 1)
 
     @pl.when(pl.program_id(chunk_axis) == 0)
     def _first_chunk():
-        sums_ref[...] = jnp.zeros(sums_ref.shape, _F32)
+        dh_post_ref[...] = jnp.zeros(dh_post_ref.shape, _F32)
+        dh_res_ref[...] = jnp.zeros(dh_res_ref.shape, _F32)
 
-    def unpack(packed):
-        """[2 rows, 128] uint32 of bf16 pairs -> (stream 2h, stream 2h + 1) of token t in sublane
-        2t + h, as f32 (exact)."""
-        low = pltpu.bitcast(packed << 16, _F32)  # stream 0 at sublane 2t, stream 2 at 2t + 1
-        high_half = pltpu.bitcast(packed & high, _F32)  # streams 1 and 3
-        return low, high_half
+    def body(words_ref):
+        """words_ref [3 lane tiles, 2 rows, 128] uint32: per lane tile, g's words, x's, dx's."""
 
-    def row_group(group, carry):
-        first = pl.multiple_of(group * rows, rows)
-        tokens = pl.ds(first, rows)
-        pair_rows = pl.ds(pl.multiple_of(first * 2, height), height)
-        mix = mix_ref[pair_rows, :]
-        columns = [jnp.broadcast_to(mix[:, c : c + 1], values) for c in range(3 * n)]
-        sums = [jnp.zeros(values, _F32) for _ in range(2 * (n + 1))]
-        for lane_tile in range(x_ref.shape[2] // _layout.LANES):
-            lanes = pl.ds(lane_tile * _layout.LANES, _layout.LANES)
-            layer_out_rows = layer_out_ref[tokens, lanes].astype(_F32)
-            layer_out = jnp.concatenate(
-                [
-                    jnp.take_along_axis(layer_out_rows[8 * (v // 2) : 8 * (v // 2) + 8], g, axis=0)
-                    for v, g in enumerate(gathers)
-                ],
-                axis=0,
-            )
-            low_g, high_g = unpack(pltpu.bitcast(g_ref[tokens, :, lanes].reshape(rows * n, _layout.LANES), jnp.uint32))
-            g = [
-                jnp.where(even, low_g, pltpu.roll(low_g, 1, 0)),
-                jnp.where(even, high_g, pltpu.roll(high_g, 1, 0)),
-                jnp.where(even, pltpu.roll(low_g, height - 1, 0), low_g),
-                jnp.where(even, pltpu.roll(high_g, height - 1, 0), high_g),
-            ]
-            x_streams = unpack(pltpu.bitcast(x_ref[tokens, :, lanes].reshape(rows * n, _layout.LANES), jnp.uint32))
-            # Spec, Backward (post): dlayer_out = sum_j H_post[j] g_j (on both sublanes of a token).
-            dlayer_out = columns[2 * n] * g[0]
-            for j in range(1, n):
-                dlayer_out += columns[2 * n + j] * g[j]
-            dlayer_out = jnp.concatenate(
-                [
-                    jnp.where(
-                        first_half,
-                        jnp.take_along_axis(dlayer_out[16 * v : 16 * v + 8], compact, axis=0),
-                        jnp.take_along_axis(dlayer_out[16 * v + 8 : 16 * v + 16], compact, axis=0),
-                    )
-                    for v in range(rows // 8)
-                ],
-                axis=0,
-            )
-            dlayer_out_ref[tokens, lanes] = dlayer_out.astype(dlayer_out_ref.dtype)
-            halves = []
-            for p in range(2):
-                # dx_i = sum_j H_res[i, j] g_j, i = 2h + p at sublane 2t + h.
-                dx = columns[p * n] * g[0]
+        def row_group(group, carry):
+            tokens = pl.ds(pl.multiple_of(group * rows, rows), rows)
+            h_post, h_res = h_post_ref[tokens, :], h_res_ref[tokens, :]
+            post = [jnp.broadcast_to(h_post[:, j : j + 1], values) for j in range(n)]
+            res = [jnp.broadcast_to(h_res[:, c : c + 1], values) for c in range(n * n)]
+            sums = [jnp.zeros(values, _F32) for _ in range(n + n * n)]
+            for lane_tile in range(x_ref.shape[2] // _layout.LANES):
+                lanes = pl.ds(lane_tile * _layout.LANES, _layout.LANES)
+                layer_out = layer_out_ref[tokens, lanes].astype(_F32)
+                g = _pre._pairs_streams(g_ref, words_ref.at[3 * lane_tile], tokens, lanes, rows)
+                # Spec, Backward (post), in _backward_kernel's order.
+                dlayer_out = post[0] * g[0]
                 for j in range(1, n):
-                    dx += columns[p * n + j] * g[j]
-                bits = pltpu.bitcast(dx, jnp.uint32)
-                rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
-                halves.append(jnp.where(dx != dx, jnp.uint32(0x7FC00000), rounded) & high)
-                # dh_res[i, j] += x_i g_j, dh_post[i] += layer_out g_i, i = 2h + p.
+                    dlayer_out += post[j] * g[j]
+                dlayer_out_ref[tokens, lanes] = dlayer_out.astype(dlayer_out_ref.dtype)
                 for j in range(n):
-                    sums[p * n + j] += x_streams[p] * g[j]
-                sums[2 * n + p] += layer_out * (low_g, high_g)[p]
-            words = halves[1] | (halves[0] >> 16)
-            dx_ref[tokens, :, lanes] = pltpu.bitcast(words, dx_ref.dtype).reshape(rows, n, _layout.LANES)
-        result = jnp.zeros((height, 2 * (n + 1)), _F32)
-        for c, value in enumerate(sums):
-            result = jnp.where(lane == c, jnp.sum(value, axis=1, keepdims=True), result)
-        sums_ref[pair_rows, :] += result
-        return carry
+                    sums[j] += layer_out * g[j]
+                x = _pre._pairs_streams(x_ref, words_ref.at[3 * lane_tile + 1], tokens, lanes, rows)
+                halves = []
+                for i in range(n):
+                    for j in range(n):
+                        sums[n + i * n + j] += x[i] * g[j]
+                    dx = res[i * n] * g[0]
+                    for j in range(1, n):
+                        dx += res[i * n + j] * g[j]
+                    # to bf16, to nearest even (astype's rounding), the high half of a word
+                    bits = pltpu.bitcast(dx, jnp.uint32)
+                    rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+                    halves.append(jnp.where(dx != dx, jnp.uint32(0x7FC00000), rounded) & high)
+                # streams 0 and 1 of token t into word row 2t, 2 and 3 into 2t + 1: the block's layout
+                out_ref = words_ref.at[3 * lane_tile + 2]
+                out_ref[pl.ds(0, rows, stride=2), :] = halves[1] | (halves[0] >> 16)
+                out_ref[pl.ds(1, rows, stride=2), :] = halves[3] | (halves[2] >> 16)
+                dx_ref[tokens, :, lanes] = pltpu.bitcast(out_ref[...], dx_ref.dtype).reshape(rows, n, _layout.LANES)
+            # One lane reduction per sum and group of tokens (a chunk's lane tiles added first).
+            dh_post = jnp.zeros((rows, n), _F32)
+            for j in range(n):
+                dh_post = jnp.where(post_lanes == j, jnp.sum(sums[j], axis=1, keepdims=True), dh_post)
+            dh_res = jnp.zeros((rows, n * n), _F32)
+            for c in range(n * n):
+                dh_res = jnp.where(res_lanes == c, jnp.sum(sums[n + c], axis=1, keepdims=True), dh_res)
+            dh_post_ref[tokens, :] += dh_post
+            dh_res_ref[tokens, :] += dh_res
+            return carry
 
-    jax.lax.fori_loop(0, x_ref.shape[0] // rows, row_group, 0, unroll=_BACKWARD_UNROLL)
+        jax.lax.fori_loop(0, x_ref.shape[0] // rows, row_group, 0, unroll=_BACKWARD_UNROLL)
 
-
-def _bf16_pairs_backward_mix(h_post, h_res):
-    """_bf16_pairs_backward_kernel's mix_ref [2 T, 12] from h_post [T, 4] and h_res [T, 4, 4]: row
-    2t + h holds h_res[t, 2h + p, :] at columns 4p to 4p + 3, then h_post[t]."""
-    t, n = h_post.shape
-    by_row = h_res.reshape(t, 2, 2 * n)  # [T, h, (p, j)]
-    return jnp.concatenate([by_row, jnp.broadcast_to(h_post[:, None, :], (t, 2, n))], axis=2).reshape(2 * t, 3 * n)
-
-
-def _bf16_pairs_sums(sums, t: int):
-    """(dh_post [T, 4], dh_res [T, 4, 4]) from _bf16_pairs_backward_kernel's sums [2 T, 10]."""
-    n = 4
-    by_token = sums.reshape(t, 2, 2 * (n + 1))  # [T, h, column]
-    dh_res = by_token[:, :, : 2 * n].reshape(t, n, n)  # [T, (h, p), j]
-    dh_post = by_token[:, :, 2 * n :].reshape(t, n)  # [T, (h, p)]
-    return dh_post, dh_res
+    pl.run_scoped(body, pltpu.VMEM((3 * (x_ref.shape[2] // _layout.LANES), 2 * rows, _layout.LANES), jnp.uint32))
 
 
 def pairs(n: int, dtype, layer_out_dtype) -> bool:
@@ -434,25 +406,18 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
     if pairs(n, x.dtype, layer_out.dtype):
         kernel = functools.partial(_bf16_pairs_backward_kernel, rows=_BACKWARD_ROWS)
-        coefficient_specs = [pl.BlockSpec((2 * tile, 3 * n), lambda i, c: (i, 0))]
-        coefficients = [_bf16_pairs_backward_mix(h_post, h_res)]
-        sum_specs = [pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda i, c: (i, 0))]
-        sum_shapes = [jax.ShapeDtypeStruct((2 * t, 2 * (n + 1)), _F32)]
     else:
         kernel = functools.partial(_backward_kernel, n=n)
-        coefficient_specs = [b.h_post, b.h_res]
-        coefficients = [h_post, h_res.reshape(t, n * n)]
-        sum_specs = [b.h_post, b.h_res]
-        sum_shapes = [jax.ShapeDtypeStruct((t, n), _F32), jax.ShapeDtypeStruct((t, n * n), _F32)]
-    dx, dlayer_out, *sums = pl.pallas_call(
+    dx, dlayer_out, dh_post, dh_res = pl.pallas_call(
         kernel,
         grid=b.grid,
-        in_specs=[b.streams, b.streams, b.features, *coefficient_specs],
-        out_specs=[b.streams, b.features, *sum_specs],
+        in_specs=[b.streams, b.streams, b.features, b.h_post, b.h_res],
+        out_specs=[b.streams, b.features, b.h_post, b.h_res],
         out_shape=[
             jax.ShapeDtypeStruct((t, n, padded), x.dtype),
             jax.ShapeDtypeStruct((t, padded), layer_out.dtype),
-            *sum_shapes,
+            jax.ShapeDtypeStruct((t, n), _F32),
+            jax.ShapeDtypeStruct((t, n * n), _F32),
         ],
         name=_layout.kernel_name("post_backward", tile),
         # dh_post and dh_res add over the feature chunks in order.
@@ -467,10 +432,10 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
         _layout.pad_features(g, padded),
         _layout.pad_features(x, padded),
         _layout.pad_features(layer_out, padded),
-        *coefficients,
+        h_post,
+        h_res.reshape(t, n * n),
     )
-    dh_post, dh_res = _bf16_pairs_sums(sums[0], t) if len(sums) == 1 else (sums[0], sums[1].reshape(t, n, n))
-    return dx[:, :, :d], dlayer_out[:, :d], dh_post, dh_res
+    return dx[:, :, :d], dlayer_out[:, :d], dh_post, dh_res.reshape(t, n, n)
 
 
 def empty_backward(x, layer_out) -> tuple:
