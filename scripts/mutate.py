@@ -818,6 +818,15 @@ MUTATIONS = (
         python_tests=("tests/python/test_tpu_schedule.py::test_step_schedule_expands_the_inner_loop_by_its_trips",),
     ),
     Mutation(
+        "tpu_schedule_branch_every_step",
+        "the TPU static estimate counts a first-chunk pl.when at every grid step instead of its share of them",
+        (Edit("python/mhc/tpu/_schedule.py", "weight[address] *= share", "weight[address] *= 1.0"),),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_schedule.py::test_a_first_chunk_branch_counts_at_the_share_of_steps_that_run_it",
+        ),
+    ),
+    Mutation(
         "tpu_post_fixed_vmem_limit",
         "the TPU post forward asks for a fixed 64 MiB VMEM limit instead of the chip's (two VMEM policies)",
         (
