@@ -598,8 +598,10 @@ MUTATIONS = (
         (
             Edit(
                 TPU_POST,
-                "rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))",
-                "rounded = bits + jnp.uint32(0x8000)",
+                # the forward's line (the backward's rounding has the same text)
+                "a NaN stays a (quiet) NaN\n"
+                "                rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))",
+                "a NaN stays a (quiet) NaN\n                rounded = bits + jnp.uint32(0x8000)",
             ),
         ),
         python=True,
@@ -618,6 +620,19 @@ MUTATIONS = (
         ),
         python=True,
         python_tests=(f"{TPU_TESTS}::test_post_forward_and_backward_match_reference[4-130-300-bfloat16]",),
+    ),
+    Mutation(
+        "tpu_post_backward_pairs_streams_swapped",
+        "the TPU post backward's bf16 n = 4 kernel writes dx's streams 2 and 3 where 0 and 1 belong",
+        (
+            Edit(
+                TPU_POST,
+                "out_ref[pl.ds(0, rows, stride=2), :] = halves[1] | (halves[0] >> 16)",
+                "out_ref[pl.ds(0, rows, stride=2), :] = halves[3] | (halves[2] >> 16)",
+            ),
+        ),
+        python=True,
+        python_tests=(f"{TPU_TESTS}::test_post_backward_pairs_kernel_gives_the_general_kernels_dx_and_dlayer_out",),
     ),
     Mutation(
         "tpu_chunk_sum_overwritten",
@@ -801,6 +816,15 @@ MUTATIONS = (
         (Edit("python/mhc/tpu/_schedule.py", "count += trips * child_count", "count += child_count"),),
         python=True,
         python_tests=("tests/python/test_tpu_schedule.py::test_step_schedule_expands_the_inner_loop_by_its_trips",),
+    ),
+    Mutation(
+        "tpu_schedule_branch_every_step",
+        "the TPU static estimate counts a first-chunk pl.when at every grid step instead of its share of them",
+        (Edit("python/mhc/tpu/_schedule.py", "weight[address] *= share", "weight[address] *= 1.0"),),
+        python=True,
+        python_tests=(
+            "tests/python/test_tpu_schedule.py::test_a_first_chunk_branch_counts_at_the_share_of_steps_that_run_it",
+        ),
     ),
     Mutation(
         "tpu_post_fixed_vmem_limit",

@@ -185,6 +185,30 @@ def test_post_forward_and_backward_match_reference(seed, case):
         _no_races()
 
 
+def test_post_backward_pairs_kernel_gives_the_general_kernels_dx_and_dlayer_out(seed, monkeypatch):
+    """bf16 at n = 4 runs _post._bf16_pairs_backward_kernel (x's own layout): its dx and dlayer_out
+    are the general kernel's bits (the same f32 products and sums in the same order, rounded to
+    nearest even; a NaN in g stays a NaN), its dh_post and dh_res the same sums in another order.
+    Two tiles of 32 with a ragged last, D = 600: five feature chunks."""
+    n, d, t = 4, 600, 50
+    config = mj.Config(n=n)
+    rng = np.random.default_rng(seed)
+    x, layer_out, g, h_post, h_res = _post_problem(rng, n, d, t, jnp.bfloat16)
+    g = g.at[3, 1, 7].set(jnp.nan)
+    kw = dict(tile=32, interpret=NO_RACE_CHECK)
+    pairs = mhc.tpu.post_backward(config, g, x, layer_out, h_post, h_res, **kw)
+    monkeypatch.setattr(mhc.tpu._post, "pairs", lambda *args: False)
+    general = mhc.tpu._post.post_backward.__wrapped__(config, g, x, layer_out, h_post, h_res, **kw)
+    for name, a, b in zip(("dx_partial", "dlayer_out"), pairs[:2], general[:2], strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    assert (
+        np.isnan(np.asarray(pairs[0], np.float32)[3]).any() and not np.isnan(np.asarray(pairs[0][4:], np.float32)).any()
+    )
+    for name, a, b in zip(("dh_post", "dh_res"), pairs[2:], general[2:], strict=True):
+        finite = np.arange(t) != 3
+        np.testing.assert_allclose(np.asarray(a)[finite], np.asarray(b)[finite], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def _export(function, *args):
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), args)
     return jax.export.export(jax.jit(function), platforms=["tpu"])(*shapes).mlir_module()

@@ -121,3 +121,84 @@ def test_bench_tpu_estimate_runs_the_compile_script_with_its_arguments(capfd):
 
     assert bench.main(["--tpu-estimate", "--kernels", "mhc_no_such_kernel"]) == 2
     assert "--kernels: ['mhc_no_such_kernel'] not in mhc.tpu.KERNELS" in capfd.readouterr().err
+
+
+# A pl.when on the last grid axis (the post backward's first-chunk step, lines as libtpu 0.0.42.1
+# wrote them for v5e, operands shortened): the grid loop 0x2-0xb (34 trips), its chunk index the phi
+# libtpu annotates "iter bound = 1" (grid axis 1), spilled to SMEM and loaded back, compared with 0;
+# the branch at 0x6 skips 0x7-0x9 where the index is not 0, to a region libtpu labels "Start/End
+# empty region" (the reader before this sample took it for an unknown label and counted 0x7-0x9 at
+# every step).
+WHEN_BUNDLES = """= control target key start
+LH: loop header
+LB: loop body
+PB: predicated region body
+PF: predicated region fallthrough
+= control target key end
+
+     0   :  { %s2_s12 = smov 0 /* copy for cssa */  ;;  %s3_s30 = smov 0 /* copy for cssa */ }
+   0x1   :  { %17 = vsyncpa [#allocation5], 0 } /* Start region 1 */
+   0x2 LB: > { %s31_s12 = sadd.s32 1, %s20_s12  ;;  %s20_s12 = sphi %s2_s12, %s31_s12 /* phi copy :: iteration index, stage = 0 :: iteration index, stage = 0 */  ;;  %s28_s30 = sphi %s3_s30, %s40_s30 /* phi copy :: iteration index, stage = 1 iter bound = 1 :: iteration index, stage = 1 iter bound = 1 */ } /* Start region 7 */
+   0x3   : > { %400498 = sst [smem:[#allocation17_spill]] %s28_s30  ;;  %s40_s30 = sadd.s32 1, %s28_s30 }
+   0x4   : > { %s467557_s7 = sld [smem:[#allocation17_spill]] }
+   0x5   : > { %p198723_p5 = scmp.ne.s32.totalorder %s467557_s7, 0 }
+   0x6   : > { %v1_v1 = vadd.f32 %v0_v0, %v0_v0  ;;  %196838 = sbr.rel (%p198723_p5) target = $region56 }
+   0x7   : > { %196968 = vst.msk [vmem:[%s200291_s27 + $0x1f8] sm:$0xff] /*vm=*/%vm196904_vm2, /*vst_source=*/%v1_v1 } /* Start region 55 */
+   0x8   : > { %5 = vst [vmem:[#allocation3_spill]] %v1_v1 }
+   0x9   : > { %v2_v2 = vmul.f32 %v1_v1, %v1_v1 } /* End region 55 */
+   0xa PF: > { %v196969_v28 = vld [vmem:[%s200285_s22] sm:$0xff] } /* Start/End empty region 56 */
+   0xb   : > { %p28_p13 = scmp.ge.s32.totalorder %s31_s12, 34 /* loop exit test */  ;;  %7 = sbr.rel (!%p28_p13) target = $region7 }
+   0xc   :  { %8 = vsyncpa [#allocation4], 1 } /* exit bundle */
+"""  # noqa: E501 (libtpu's lines)
+
+# VALU, VSTORE, VSTORE:SPILL per bundle.
+WHEN_UTILIZATION = """== CAPACTIY:
+VALU, VSTORE, VSTORE:SPILL
+    4     1     1
+== UTILIZATION:
+0 0 0
+0 0 0
+1 0 0
+1 0 0
+0 0 0
+0 0 0
+1 0 0
+0 1 0
+0 1 1
+1 0 0
+0 0 0
+0 0 0
+0 0 0
+"""
+
+
+def test_a_first_chunk_branch_counts_at_the_share_of_steps_that_run_it():
+    bundles = _schedule.parse_bundles(WHEN_BUNDLES)
+    assert _schedule.find_conditionals(bundles) == [
+        _schedule.Conditional(first=7, last=9, axis=1, value=0, when_equal=True)
+    ]
+    # Grid (8 tiles, 4 chunks): 0x7-0x9 run at a quarter of the steps, the other 7 bundles at each.
+    step = _schedule.step_schedule(WHEN_BUNDLES, WHEN_UTILIZATION, grid=(8, 4))
+    assert step.bundles == pytest.approx(7 + 3 / 4)
+    assert step.spill_stores == pytest.approx(1 / 4)
+    assert step.units["VSTORE"] == pytest.approx(2 / 4)
+    assert step.units["VALU"] == pytest.approx(3 + 1 / 4)
+    assert _schedule.estimate_us(step, 32, "v5e") == pytest.approx(7.75 * 32 / _schedule.CHIPS["v5e"]["clock_hz"] * 1e6)
+    # Without the grid, or on a grid of one chunk, the region runs at every step.
+    assert _schedule.step_schedule(WHEN_BUNDLES, WHEN_UTILIZATION).bundles == 10
+    assert _schedule.step_schedule(WHEN_BUNDLES, WHEN_UTILIZATION, grid=(8, 1)).bundles == 10
+
+
+def test_a_branch_on_a_grid_index_counts_by_its_predicate():
+    # Skipped where the index is 0 (a branch on the compare's negation): three quarters of the steps.
+    negated = WHEN_BUNDLES.replace("sbr.rel (%p198723_p5)", "sbr.rel (!%p198723_p5)")
+    assert _schedule.step_schedule(negated, WHEN_UTILIZATION, grid=(8, 4)).bundles == pytest.approx(7 + 3 * 3 / 4)
+    # "eq" skips at the index: the region runs at the other three chunks.
+    equal = WHEN_BUNDLES.replace("scmp.ne.s32.totalorder %s467557_s7, 0", "scmp.eq.s32.totalorder %s467557_s7, 3")
+    assert _schedule.step_schedule(equal, WHEN_UTILIZATION, grid=(8, 4)).bundles == pytest.approx(7 + 3 * 3 / 4)
+    # A predicate that is no compare of a grid index (the pipeline's DMA conditions): every step.
+    other = WHEN_BUNDLES.replace("scmp.ne.s32.totalorder %s467557_s7, 0", "pnand %p1_p1, %p2_p2")
+    assert _schedule.step_schedule(other, WHEN_UTILIZATION, grid=(8, 4)).bundles == 10
+    # A register that is not a grid index (no "iter bound" on its phi): every step.
+    plain = WHEN_BUNDLES.replace("stage = 1 iter bound = 1 :: iteration index, stage = 1 iter bound = 1", "")
+    assert _schedule.step_schedule(plain, WHEN_UTILIZATION, grid=(8, 4)).bundles == 10

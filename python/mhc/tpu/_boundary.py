@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from mhc._config import Config, Params
+from mhc._config import Config, Params, PreApply
 from mhc.tpu import _layout, _post, _pre, _pre_backward
 
 _F32 = jnp.float32
@@ -39,7 +39,8 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool, pairs: 
     (_post._bf16_pairs_mix), not h_post and h_res."""
     x_ref, layer_out_ref, *parameters, x_next_ref, layer_in_ref, coefficients_ref = refs
     post_refs = [parameters.pop(0) for _ in range(1 if pairs else 2)]
-    carried_ref = parameters.pop(0) if carried else _pre.OWN_GATES
+    mode = PreApply.CARRIED if carried else PreApply.OWN_GATES
+    carried_ref = _pre.pop_carried_ref(mode, parameters)
     if pairs:
         _post_pairs(x_ref, layer_out_ref, post_refs[0], x_next_ref)
     else:
@@ -51,14 +52,16 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool, pairs: 
         coefficients_ref,
         config=config,
         features=features,
+        mode=mode,
         carried_ref=carried_ref,
     )
 
 
 def _pairs(n: int, dtype, layer_out_dtype) -> bool:
-    """Whether the fused forward's post runs post_forward's bf16 n = 4 kernel on x's own layout
-    (_post._bf16_pairs_forward_kernel: no relayout per stream, no (tile, Dp) f32 value live)."""
-    return n == 4 and jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(layer_out_dtype) == jnp.bfloat16
+    """Whether the fused kernels' post runs post_forward's and post_backward's bf16 n = 4 kernels on
+    x's own layout (_post._bf16_pairs_forward_kernel, _bf16_pairs_backward_kernel: no relayout per
+    stream, no (tile, Dp) f32 value live)."""
+    return _post.pairs(n, dtype, layer_out_dtype)
 
 
 def _post_pairs(x_ref, layer_out_ref, mix_ref, x_next_ref):
@@ -111,7 +114,7 @@ def boundary_forward(config: Config, x, layer_out, h_post, h_res, params: Params
     mhc.tpu.pre_forward."""
     _post._check("boundary_forward", config, x, layer_out, h_post, h_res, tile)
     _pre.check_params("boundary_forward", config, x, params)
-    return _forward(config, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret)
+    return _forward(config, x, layer_out, None, h_post, h_res, params, tile, interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret"))
@@ -139,9 +142,10 @@ def _check_h_pre(operation: str, h_pre, x):
 
 
 def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret):
-    """The fused forward for checked operands; h_pre OWN_GATES (V4) or the carried mix [T, n]."""
+    """The fused forward for checked operands; h_pre None (V4: the pre mixes with its own gates) or
+    the carried mix [T, n]."""
     t, n, d = x.shape
-    carried = h_pre is not _pre.OWN_GATES
+    carried = h_pre is not None
     tile = tile or forward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (jnp.zeros(x.shape, x.dtype), *_pre.empty_forward(x))
@@ -209,7 +213,8 @@ def _backward_kernel(
     """carried: V4.1's boundary: h_pre of l ((G, tile), after the parameters) is l+1's carried mix,
     dh_next starts with l+1's dH_pre group, and dh_pre of l ((G, tile), after dalpha) receives
     l+1's dcarried. pairs (_pairs): the post's mix block [2 tile, 10] follows the projection
-    operand, and x_{l+1} is recomputed by post_forward's bf16 pairs kernel. Runs only at the grid
+    operand, x_{l+1} is recomputed by post_forward's bf16 pairs kernel and the post backward is
+    post_backward's (_post._bf16_pairs_backward_kernel). Runs only at the grid
     steps that hold a token tile (split)."""
     refs = list(refs)
     dli_ref, dx_partial_next_ref, dh_next_ref, x_ref, layer_out_ref, h_post_ref, h_res_ref = refs[:7]
@@ -217,7 +222,8 @@ def _backward_kernel(
     refs = refs[11:]
     mix_ref = refs.pop(0) if pairs else None
     table_t_ref = refs.pop(0) if permutations else None
-    carried_ref = refs.pop(0) if carried else _pre.OWN_GATES
+    mode = PreApply.CARRIED if carried else PreApply.OWN_GATES
+    carried_ref = _pre.pop_carried_ref(mode, refs)
     dx_partial_ref, dlayer_out_ref, dh_post_ref, dh_res_ref, gram_ref, dbias_ref, dalpha_ref = refs[:7]
     refs = refs[7:]
     dh_pre_ref = refs.pop(0) if carried else None
@@ -259,12 +265,18 @@ def _backward_kernel(
             features=features,
             tokens=tokens,
             split=split,
+            mode=mode,
             carried_ref=carried_ref,
             dcarried_ref=dh_pre_ref,
             projection_ref=projection_ref,
         )
         lanes = pl.ds(pl.multiple_of(chunk_index * chunk, _layout.LANES), chunk)
-        _post._backward_kernel(
+        post_backward = (
+            functools.partial(_post._bf16_pairs_backward_kernel, rows=_post._BACKWARD_ROWS)
+            if pairs
+            else functools.partial(_post._backward_kernel, n=config.n)
+        )
+        post_backward(
             g_ref,
             x_ref.at[:, :, lanes],
             layer_out_ref.at[:, lanes],
@@ -274,7 +286,6 @@ def _backward_kernel(
             dlayer_out_ref,
             dh_post_ref,
             dh_res_ref,
-            n=config.n,
             chunk_axis=len(split.grid) - 1,
         )
 
@@ -345,7 +356,7 @@ def boundary_backward(
     operation = "boundary_backward"
     cotangents = (dlayer_in, dx_partial_next, None, dh_post_next, dh_res_next)
     _check_backward(operation, config, cotangents, x, layer_out, h_post, h_res, params, tile)
-    return _backward(config, cotangents, x, layer_out, _pre.OWN_GATES, h_post, h_res, params, tile, interpret, cores)
+    return _backward(config, cotangents, x, layer_out, None, h_post, h_res, params, tile, interpret, cores)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "tile", "interpret", "cores"))
@@ -401,10 +412,10 @@ def _check_backward(operation: str, config: Config, cotangents, x, layer_out, h_
 
 def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, params: Params, tile, interpret, cores):
     """The fused backward for checked operands: cotangents (dlayer_in, dx_partial, dh_pre or None
-    (V4), dh_post, dh_res) of l+1; h_pre OWN_GATES (V4) or l's, the carried mix of l+1."""
+    (V4), dh_post, dh_res) of l+1; h_pre None (V4) or l's, the carried mix of l+1."""
     dlayer_in, dx_partial_next, dh_pre_next, dh_post_next, dh_res_next = cotangents
     t, n, d = x.shape
-    carried = h_pre is not _pre.OWN_GATES
+    carried = h_pre is not None
     tile = tile or backward_tile(config, d, x.dtype, layer_out.dtype, carried=carried)
     if t == 0:
         return (

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from mhc._config import Config
-from mhc.tpu import _layout
+from mhc.tpu import _layout, _pre
 
 _F32 = jnp.float32
 # _bf16_pairs_forward_kernel's loop: tokens per step (two f32 vregs of 8 sublanes per value, two
@@ -29,6 +29,11 @@ _F32 = jnp.float32
 # more spills beyond 2 in the v5e and v6e compiles).
 _PAIR_ROWS = 8
 _PAIR_UNROLL = 2
+# _bf16_pairs_backward_kernel's: 8 tokens a step, unrolled by 2 (bundles per grid step at D =
+# 2048, v5e / v6e: 14,448 / 12,541; not unrolled 17,096 / 14,361; 16 tokens 14,768 / 12,141, not
+# unrolled 15,208 / 12,124: the least over both chips, the fewest spills on v5e).
+_BACKWARD_ROWS = 8
+_BACKWARD_UNROLL = 2
 
 
 def _stream(ref, k: int):
@@ -120,6 +125,103 @@ def _bf16_pairs_mix(h_post, h_res):
     coefficients = jnp.concatenate([h_res, h_post[:, None, :]], axis=1)  # [T, i, j]
     by_output = jnp.swapaxes(coefficients, 1, 2).reshape(t, 2, 2, n + 1)  # [T, h, p, i], j = 2h + p
     return by_output.reshape(2 * t, 2 * (n + 1))
+
+
+def _bf16_pairs_backward_kernel(
+    g_ref,
+    x_ref,
+    layer_out_ref,
+    h_post_ref,
+    h_res_ref,
+    dx_ref,
+    dlayer_out_ref,
+    dh_post_ref,
+    dh_res_ref,
+    *,
+    rows: int,
+    chunk_axis: int = 1,
+):
+    """post_backward's kernel for bf16 g, x and layer_out at n = 4 (_backward_kernel's operands and
+    results), on their own VMEM layout, streamed through registers `rows` tokens at a time instead
+    of whole (tile, chunk) f32 streams relaid out per use (_backward_kernel: spills). `rows`
+    tokens x 128 lanes of a [tile, 4, chunk] block are, as 32-bit words, a dense [2 rows, 128]
+    value (_bf16_pairs_forward_kernel): word row 2t holds streams 0 (low half) and 1 (high half) of
+    token t, row 2t + 1 streams 2 and 3. Stored once to VMEM, two sublane-strided loads give them
+    back with one token per sublane, a shift or a mask makes each half an f32 (as
+    _pre._pairs_streams); dx goes back the same way (two strided stores of its packed halves, one
+    dense load). Each lane tile and use has its own scratch words, so the scheduler can overlap
+    them. dx and dlayer_out are the same f32 products and sums in the same order as
+    _backward_kernel, rounded the same way (to nearest even; a NaN stays a NaN): the same bits. The
+    sums over D (dh_post, dh_res) add per lane over the chunk's 128-lane tiles, then over the
+    lanes, then over the chunks (chunk_axis), in f32."""
+    n = 4
+    values = (rows, _layout.LANES)
+    high = jnp.uint32(0xFFFF0000)
+    post_lanes = jax.lax.broadcasted_iota(jnp.int32, (rows, n), 1)
+    res_lanes = jax.lax.broadcasted_iota(jnp.int32, (rows, n * n), 1)
+
+    @pl.when(pl.program_id(chunk_axis) == 0)
+    def _first_chunk():
+        dh_post_ref[...] = jnp.zeros(dh_post_ref.shape, _F32)
+        dh_res_ref[...] = jnp.zeros(dh_res_ref.shape, _F32)
+
+    def body(words_ref):
+        """words_ref [3 lane tiles, 2 rows, 128] uint32: per lane tile, g's words, x's, dx's."""
+
+        def row_group(group, carry):
+            tokens = pl.ds(pl.multiple_of(group * rows, rows), rows)
+            h_post, h_res = h_post_ref[tokens, :], h_res_ref[tokens, :]
+            post = [jnp.broadcast_to(h_post[:, j : j + 1], values) for j in range(n)]
+            res = [jnp.broadcast_to(h_res[:, c : c + 1], values) for c in range(n * n)]
+            sums = [jnp.zeros(values, _F32) for _ in range(n + n * n)]
+            for lane_tile in range(x_ref.shape[2] // _layout.LANES):
+                lanes = pl.ds(lane_tile * _layout.LANES, _layout.LANES)
+                layer_out = layer_out_ref[tokens, lanes].astype(_F32)
+                g = _pre._pairs_streams(g_ref, words_ref.at[3 * lane_tile], tokens, lanes, rows)
+                # Spec, Backward (post), in _backward_kernel's order.
+                dlayer_out = post[0] * g[0]
+                for j in range(1, n):
+                    dlayer_out += post[j] * g[j]
+                dlayer_out_ref[tokens, lanes] = dlayer_out.astype(dlayer_out_ref.dtype)
+                for j in range(n):
+                    sums[j] += layer_out * g[j]
+                x = _pre._pairs_streams(x_ref, words_ref.at[3 * lane_tile + 1], tokens, lanes, rows)
+                halves = []
+                for i in range(n):
+                    for j in range(n):
+                        sums[n + i * n + j] += x[i] * g[j]
+                    dx = res[i * n] * g[0]
+                    for j in range(1, n):
+                        dx += res[i * n + j] * g[j]
+                    # to bf16, to nearest even (astype's rounding), the high half of a word
+                    bits = pltpu.bitcast(dx, jnp.uint32)
+                    rounded = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+                    halves.append(jnp.where(dx != dx, jnp.uint32(0x7FC00000), rounded) & high)
+                # streams 0 and 1 of token t into word row 2t, 2 and 3 into 2t + 1: the block's layout
+                out_ref = words_ref.at[3 * lane_tile + 2]
+                out_ref[pl.ds(0, rows, stride=2), :] = halves[1] | (halves[0] >> 16)
+                out_ref[pl.ds(1, rows, stride=2), :] = halves[3] | (halves[2] >> 16)
+                dx_ref[tokens, :, lanes] = pltpu.bitcast(out_ref[...], dx_ref.dtype).reshape(rows, n, _layout.LANES)
+            # One lane reduction per sum and group of tokens (a chunk's lane tiles added first).
+            dh_post = jnp.zeros((rows, n), _F32)
+            for j in range(n):
+                dh_post = jnp.where(post_lanes == j, jnp.sum(sums[j], axis=1, keepdims=True), dh_post)
+            dh_res = jnp.zeros((rows, n * n), _F32)
+            for c in range(n * n):
+                dh_res = jnp.where(res_lanes == c, jnp.sum(sums[n + c], axis=1, keepdims=True), dh_res)
+            dh_post_ref[tokens, :] += dh_post
+            dh_res_ref[tokens, :] += dh_res
+            return carry
+
+        jax.lax.fori_loop(0, x_ref.shape[0] // rows, row_group, 0, unroll=_BACKWARD_UNROLL)
+
+    pl.run_scoped(body, pltpu.VMEM((3 * (x_ref.shape[2] // _layout.LANES), 2 * rows, _layout.LANES), jnp.uint32))
+
+
+def pairs(n: int, dtype, layer_out_dtype) -> bool:
+    """Whether the post kernels run on x's own layout (the bf16 pairs kernels): bf16 x and layer_out
+    at n = 4."""
+    return n == 4 and jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(layer_out_dtype) == jnp.bfloat16
 
 
 def _columns(values, width: int):
@@ -302,8 +404,12 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
     b = _blocks(t, n, d, tile)
     padded = b.padded
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
+    if pairs(n, x.dtype, layer_out.dtype):
+        kernel = functools.partial(_bf16_pairs_backward_kernel, rows=_BACKWARD_ROWS)
+    else:
+        kernel = functools.partial(_backward_kernel, n=n)
     dx, dlayer_out, dh_post, dh_res = pl.pallas_call(
-        functools.partial(_backward_kernel, n=n),
+        kernel,
         grid=b.grid,
         in_specs=[b.streams, b.streams, b.features, b.h_post, b.h_res],
         out_specs=[b.streams, b.features, b.h_post, b.h_res],

@@ -324,12 +324,6 @@ def streamed_pre_apply(layer_in_ref, h_pre, x_ref, n: int):
     )
 
 
-# pre_body's and the backward's `carried_ref` for DeepSeek-V4's pre-apply, which mixes x with the
-# sublayer's own h_pre (V4.1 passes its carried mix instead: a ref, or None for the one-hot). The
-# wrappers pass the mode itself (PreApply); this is its member, not a second encoding.
-OWN_GATES = PreApply.OWN_GATES
-
-
 def carried_mode(carried) -> PreApply:
     """The mode of a checked carried operand of the *_carried kernels, whose contract (the FFI
     targets') marks the one-hot on stream 0 by a [T, 0] carried: the one place this backend reads
@@ -337,17 +331,10 @@ def carried_mode(carried) -> PreApply:
     return PreApply.ONE_HOT if carried.shape[1] == 0 else PreApply.CARRIED
 
 
-def body_carried(mode: PreApply, carried=None):
-    """The kernel bodies' carried_ref (or the backward builder's carried) for `mode`: OWN_GATES,
-    None for the one-hot, or `carried`, the carried mix's block."""
-    if mode is PreApply.CARRIED:
-        return carried
-    return None if mode is PreApply.ONE_HOT else OWN_GATES
-
-
 def pop_carried_ref(mode: PreApply, refs: list):
-    """body_carried in a kernel: the carried mix's (G, tile) block follows x, popped from refs."""
-    return body_carried(mode, refs.pop(0) if mode is PreApply.CARRIED else None)
+    """In a kernel: the carried mix's (G, tile) block, which follows x among its refs for
+    PreApply.CARRIED (popped from refs); None for the other modes."""
+    return refs.pop(0) if mode is PreApply.CARRIED else None
 
 
 def empty_forward(x):
@@ -356,20 +343,43 @@ def empty_forward(x):
     return (jnp.zeros((0, d), x.dtype), jnp.zeros((0, n), _F32), jnp.zeros((0, n), _F32), jnp.zeros((0, n, n), _F32))
 
 
-def pre_body(x_ref, parameter_refs, layer_in_ref, coefficients_ref, *, config, features, carried_ref=OWN_GATES):
+def pre_body(
+    x_ref,
+    parameter_refs,
+    layer_in_ref,
+    coefficients_ref,
+    *,
+    config,
+    features,
+    mode: PreApply = PreApply.OWN_GATES,
+    carried_ref=None,
+):
     """Spec: Forward steps 1-6 for one token tile of x_ref [tile, n, Dp] (an input block, or the
     boundary kernel's x_next output block, already in VMEM): layer_in_ref [tile, Dp] and
     coefficients_ref [coefficient rows, tile] (tokens in the lanes). parameter_refs: the weight,
-    scale and bias refs, then the permutation table's (none for Sinkhorn). carried_ref: OWN_GATES
-    (V4: the pre-apply mixes with this tile's h_pre), or V4.1's carried mix (spec: Single-pass
-    schedule) as a (G, tile) ref with the tokens in the lanes, or None for its one-hot on stream 0."""
+    scale and bias refs, then the permutation table's (none for Sinkhorn). mode: the pre-apply's
+    mix, OWN_GATES (V4: this tile's h_pre), or V4.1's (spec: Single-pass schedule) CARRIED mix,
+    carried_ref, a (G, tile) ref with the tokens in the lanes, or its ONE_HOT on stream 0."""
     weight_ref, *finish_refs = parameter_refs
     # Steps 1-2.
     logits, r = streamed_projection(x_ref, weight_ref, n=config.n, features=features, rms_eps=config.rms_eps)
-    finish_body(logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, config=config, carried_ref=carried_ref)
+    finish_body(
+        logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, config=config, mode=mode, carried_ref=carried_ref
+    )
 
 
-def finish_body(logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, *, config, carried_ref=OWN_GATES):
+def finish_body(
+    logits,
+    r,
+    x_ref,
+    finish_refs,
+    layer_in_ref,
+    coefficients_ref,
+    *,
+    config,
+    mode: PreApply = PreApply.OWN_GATES,
+    carried_ref=None,
+):
     """Spec: Forward steps 3-6 for one token tile from its projection P (rows, tile) and RMS factor
     r (1, tile): pre_body after the projection, and the split form's finish (pre_forward_finish,
     where P and the sum of squares behind r are the all-reduced partials). finish_refs: the scale
@@ -394,15 +404,26 @@ def finish_body(logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, *
         )
     coefficients_ref[...] = jnp.concatenate([h_pre, h_post, h_res], axis=0)
     # Step 6, from the tile in VMEM.
-    mix = h_pre if carried_ref is OWN_GATES else (None if carried_ref is None else carried_ref[...])
-    streamed_pre_apply(layer_in_ref, mix, x_ref, n)
+    mix = {
+        PreApply.OWN_GATES: lambda: h_pre,
+        PreApply.ONE_HOT: lambda: None,
+        PreApply.CARRIED: lambda: carried_ref[...],
+    }
+    streamed_pre_apply(layer_in_ref, mix[mode](), x_ref, n)
 
 
 def _kernel(*refs, config: Config, features: int, mode: PreApply):
     x_ref, *parameter_refs, layer_in_ref, coefficients_ref = refs
     carried_ref = pop_carried_ref(mode, parameter_refs)
     pre_body(
-        x_ref, parameter_refs, layer_in_ref, coefficients_ref, config=config, features=features, carried_ref=carried_ref
+        x_ref,
+        parameter_refs,
+        layer_in_ref,
+        coefficients_ref,
+        config=config,
+        features=features,
+        mode=mode,
+        carried_ref=carried_ref,
     )
 
 

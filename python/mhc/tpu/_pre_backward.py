@@ -287,7 +287,8 @@ def backward_body(
     features: int,
     tokens: int,
     split: _layout.CoreSplit,
-    carried_ref=_pre.OWN_GATES,
+    mode: PreApply = PreApply.OWN_GATES,
+    carried_ref=None,
     dcarried_ref=None,
     given_dh_pre: bool | None = None,
     partials_ref=None,
@@ -309,8 +310,8 @@ def backward_body(
     (tile, rows + G + 8): dP and the per-token scalars with the tokens in the sublanes.
     `tokens`: T, to mask the ragged last tile out of the parameter gradients.
 
-    DeepSeek-V4.1's carried mix (spec: Single-pass schedule): carried_ref the mix (G, tile) (tokens
-    in the lanes), or None for the one-hot on stream 0, instead of OWN_GATES. Then dh_ref has a
+    DeepSeek-V4.1's carried mix (spec: Single-pass schedule): mode CARRIED with carried_ref the mix
+    (G, tile) (tokens in the lanes), or ONE_HOT (stream 0), instead of OWN_GATES. Then dh_ref has a
     group more in front, dH_pre (an input: the next sublayer's dcarried), dx's pre-apply term
     takes the carried mix for H_pre, and sum_d x_k dli (V4's dH_pre) goes to dcarried_ref (G, tile)
     if given.
@@ -328,7 +329,7 @@ def backward_body(
     (tile, Dp) f32 value is live."""
     n, g = config.n, _layout.group_rows(config.n)
     gates_only = dh_ref is None
-    own_gates = carried_ref is _pre.OWN_GATES
+    own_gates = mode is PreApply.OWN_GATES
     if given_dh_pre is None:
         given_dh_pre = not own_gates
     tile, padded, chunk = x_ref.shape[0], x_ref.shape[2], dx_ref.shape[2]
@@ -383,7 +384,7 @@ def backward_body(
         # The pre-apply's weights of dx = ... + H_pre dli: the gates, or V4.1's carried mix.
         if own_gates:
             pre_apply_weights = s_pre + config.pre_eps
-        elif carried_ref is None:
+        elif mode is PreApply.ONE_HOT:
             pre_apply_weights = jnp.where(sublane == 0, 1.0, 0.0)
         else:
             pre_apply_weights = carried_ref[...]
@@ -541,7 +542,8 @@ def run(
     *,
     tile: int,
     interpret,
-    carried=_pre.OWN_GATES,
+    mode: PreApply = PreApply.OWN_GATES,
+    carried=None,
     cores: int | None = None,
     partials=None,
     slices: int = 1,
@@ -553,12 +555,12 @@ def run(
     order (`cores`: the TensorCores to split the token tiles over, _layout.CoreSplit; default the
     traced device's). dx_partial and dh None for the head; dh [token tiles, (1 + n) G, tile]
     (_layout.tokens_in_lanes), with dH_pre's group in front ((2 + n) G rows) for V4.1; table_t
-    None but for permutations. carried: OWN_GATES (V4), None (V4.1's one-hot on stream 0) or the
-    carried mix [token tiles, G, tile]. The split form's finish (pre_backward_finish): partials
-    [token tiles, rows + 8, tile] (tokens in the lanes) and `slices`, the devices D is split
-    over; dh then has dH_pre's group in front for V4 too, and no dcarried comes out. projection:
-    the streamed projection operand of the same weight (_pre.stacked_weight_terms), required
-    unless partials are given."""
+    None but for permutations. mode: the pre-apply's mix, OWN_GATES (V4), V4.1's ONE_HOT on stream
+    0, or CARRIED with `carried` the carried mix [token tiles, G, tile]. The split form's finish
+    (pre_backward_finish): partials [token tiles, rows + 8, tile] (tokens in the lanes) and
+    `slices`, the devices D is split over; dh then has dH_pre's group in front for V4 too, and no
+    dcarried comes out. projection: the streamed projection operand of the same weight
+    (_pre.stacked_weight_terms), required unless partials are given."""
     t, n, d = x.shape
     padded = _layout.padded_features(d)
     chunk = _layout.feature_chunk(padded)
@@ -567,11 +569,11 @@ def run(
     size = x.dtype.itemsize
     # The head's backward has no dh; V4.1's carried pre backward a carried mix.
     operation = (
-        "head_backward" if gates_only else ("pre_backward" if carried is _pre.OWN_GATES else "pre_backward_carried")
+        "head_backward" if gates_only else ("pre_backward" if mode is PreApply.OWN_GATES else "pre_backward_carried")
     )
     finish = partials is not None
     if finish:
-        operation = "pre_backward_finish" + ("" if carried is _pre.OWN_GATES else "_carried")
+        operation = "pre_backward_finish" + ("" if mode is PreApply.OWN_GATES else "_carried")
     split = _layout.CoreSplit.plan(operation, t, tile, padded // chunk, cores)
     whole = lambda *step: (0, 0)  # noqa: E731
     # The parameters' blocks never change: fetched once, single-buffered.
@@ -595,7 +597,7 @@ def run(
     if table_t is not None:
         operands.append(table_t)
         in_specs.append(pl.BlockSpec(table_t.shape, whole, pipeline_mode=once))
-    with_carried = carried is not _pre.OWN_GATES and carried is not None
+    with_carried = mode is PreApply.CARRIED
     per_tile = pl.BlockSpec((None, g, tile), lambda *step: (split.tile_block(*step), 0, 0))
     if with_carried:
         operands.append(carried)
@@ -620,7 +622,7 @@ def run(
         refs = refs[4:]
         projection_ref = None if finish else refs.pop(0)
         table_t_ref = refs.pop(0) if table_t is not None else None
-        carried_ref = refs.pop(0) if with_carried else carried
+        carried_ref = refs.pop(0) if with_carried else None
         partials_ref = refs.pop(0) if finish else None
         dx_ref, gram_ref, dbias_ref, dalpha_ref = refs[:4]
         refs = refs[4:]
@@ -647,6 +649,7 @@ def run(
                 features=d * slices,
                 tokens=t,
                 split=split,
+                mode=mode,
                 carried_ref=carried_ref,
                 dcarried_ref=dcarried_ref,
                 given_dh_pre=True if finish else None,
@@ -830,8 +833,8 @@ def _backward(
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
     dh = coefficient_cotangents(config, dh_pre, dh_post, dh_res, tile)
     table_t = jnp.asarray(_pre._permutation_table(n).T) if config.mix == "permutations" else None
-    # run's carried, as the kernel bodies take it: OWN_GATES, None for the one-hot, or the mix in lanes.
-    carried = _pre.body_carried(mode, _pre.carried_lanes(config, carried, tile) if mode is PreApply.CARRIED else None)
+    if mode is PreApply.CARRIED:
+        carried = _pre.carried_lanes(config, carried, tile)
     if partials is not None:
         partials = _pre.partials_lanes(config, partials, tile)
     dx, dcarried, gram, dbias_rows, dalpha_rows = run(
@@ -846,6 +849,7 @@ def _backward(
         table_t,
         tile=tile,
         interpret=interpret,
+        mode=mode,
         carried=carried,
         cores=cores,
         partials=partials,

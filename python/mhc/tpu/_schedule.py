@@ -14,10 +14,19 @@ sets them). This module reads those two files:
 - ``*-final_hlo-static-per-bundle-utilization.txt``: a ``CAPACTIY`` header (libtpu's spelling)
   naming the units and their slots per bundle, then one row per bundle, in address order.
 
+A forward ``sbr.rel (%p) target = $regionN`` inside the grid loop skips the bundles up to the one
+that starts region N (libtpu marks it ``Start region N`` or, where the branch's region ends there,
+``Start/End empty region N``): a ``pl.when``. Where its predicate compares a grid index with a
+constant (``scmp.eq|ne.s32.totalorder %s, C``, the register traced through ``smov`` copies and
+scalar spills to the loop's ``sphi`` that libtpu annotates ``iteration index, stage = S iter bound
+= A``: grid axis A), the skipped bundles count at the share of grid steps that run them, e.g. a
+quarter for a first-chunk branch over four feature chunks (``step_schedule``'s ``grid``).
+
 Limits (why it is a lower bound): DMA waits the pipeline does not hide and stalls are not in the
-bundle count; every bundle of the loop body is counted once per step, including predicated regions
-that run only at the first or last step (a few hundred bundles at most, an overestimate); inner
-loops with a trip count held in a register (not a constant) are counted once and reported.
+bundle count; a predicated region whose predicate is not such a compare (the pipeline's DMA
+conditions, a core split's tile test) is counted at every step (an overestimate where it is
+skipped); inner loops with a trip count held in a register (not a constant) are counted once and
+reported.
 """
 
 from __future__ import annotations
@@ -50,7 +59,10 @@ def dump_flags(directory: str | pathlib.Path) -> str:
 
 _BUNDLE = re.compile(r"^\s*(0x[0-9a-f]+|\d+)\s+(?:[A-Z]{2})?:\s*>*\s*\{")  # one > per loop level
 _START_REGION = re.compile(r"Start region (\d+)")
-_BRANCH = re.compile(r"sbr\.rel (?:\([^)]*\) )?target = \$region(\d+)")
+_BRANCH = re.compile(r"sbr\.rel (?:\((!?)(%\w+)\) )?target = \$region(\d+)")
+# Where a forward branch lands: the bundle that starts its target region (an empty region's start
+# and end are one label).
+_REGION_LABEL = re.compile(r"Start(?:/End empty)? region (\d+)")
 # A program that is all one Mosaic kernel: every scheduled bundle belongs to a tpu_custom_call.
 _KERNEL_PROGRAM = re.compile(r"\(100\.00%\): %\S+ = [^\n]*custom_call_target=\"tpu_custom_call\"")
 _EXIT_TEST = re.compile(r"scmp\.\w+\.s32\.totalorder (%\w+), (\d+) /\* loop exit test \*/")
@@ -88,13 +100,85 @@ def find_loops(bundles: list[str]) -> list[Loop]:
     for address, bundle in enumerate(bundles):
         for region in _START_REGION.findall(bundle):
             region_start.setdefault(region, address)
-        for region in _BRANCH.findall(bundle):
+        for _, _, region in _BRANCH.findall(bundle):
             first = region_start.get(region)
             if first is None or first > address:
                 continue  # a forward branch (a predicated region or an exit)
             tests = [m for b in bundles[first : address + 1] for m in _EXIT_TEST.findall(b)]
             loops.append(Loop(first, address, _trip_count(bundles, *tests[-1]) if tests else None))
     return loops
+
+
+@dataclasses.dataclass(frozen=True)
+class Conditional:
+    """Bundles first..last (addresses, inclusive), skipped by a forward branch: they run where grid
+    index `axis` equals `value` (`when_equal`) or differs from it; axis None: the predicate is not
+    such a compare (they run at every step, as far as the reader knows)."""
+
+    first: int
+    last: int
+    axis: int | None
+    value: int | None
+    when_equal: bool
+
+    def share(self, grid: tuple[int, ...] | None) -> float:
+        """The share of the grid's steps that run the bundles (1 where unknown)."""
+        if self.axis is None or grid is None or self.axis >= len(grid):
+            return 1.0
+        matching = 1 if 0 <= self.value < grid[self.axis] else 0
+        runs = matching if self.when_equal else grid[self.axis] - matching
+        return runs / grid[self.axis]
+
+
+def find_conditionals(bundles: list[str]) -> list[Conditional]:
+    """Every forward branch's skipped bundles (a pl.when), with the grid index its predicate tests
+    where it compares one with a constant (the module docstring)."""
+    label: dict[str, int] = {}
+    for address, bundle in enumerate(bundles):
+        for region in _REGION_LABEL.findall(bundle):
+            label.setdefault(region, address)
+    program = "\n".join(bundles)
+    conditionals = []
+    for address, bundle in enumerate(bundles):
+        for negated, predicate, region in _BRANCH.findall(bundle):
+            target = label.get(region)
+            if target is None or target <= address or not predicate:
+                continue  # a loop's backward branch, or an unconditional jump
+            axis = value = None
+            when_equal = True
+            compare = re.search(re.escape(predicate) + r" = scmp\.(eq|ne)\.s32\.totalorder (%\w+), (\d+)\b", program)
+            if compare:
+                axis = _grid_axis(program, compare.group(2))
+                value = int(compare.group(3))
+                # The branch skips when its predicate holds: a skip on "index != C" runs at C.
+                when_equal = (compare.group(1) == "ne") != bool(negated)
+            conditionals.append(
+                Conditional(address + 1, target - 1, axis, value if axis is not None else None, when_equal)
+            )
+    return conditionals
+
+
+def _grid_axis(program: str, register: str, depth: int = 0) -> int | None:
+    """The grid axis whose index `register` holds, through smov copies and scalar spills (a
+    register spilled to SMEM and loaded back), or None."""
+    if depth > 16:
+        return None
+    definition = re.search(re.escape(register) + r" = ([^;}]*)", program)
+    if not definition:
+        return None
+    operation = definition.group(1)
+    phi = re.match(r"sphi [^;}]*?iteration index, stage = \d+ iter bound = (\d+)", operation)
+    if phi:
+        return int(phi.group(1))
+    copy = re.match(r"smov (%\w+)\s*(?:/\*|$)", operation)
+    if copy:
+        return _grid_axis(program, copy.group(1), depth + 1)
+    load = re.match(r"sld \[smem:\[(#allocation\d+_spill)\]\]", operation)
+    if load:
+        stores = re.findall(r"sst \[smem:\[" + re.escape(load.group(1)) + r"\]\] (%\w+)", program)
+        axes = {_grid_axis(program, stored, depth + 1) for stored in stores}
+        return axes.pop() if len(axes) == 1 else None
+    return None
 
 
 def _trip_count(bundles: list[str], counter: str, bound: str) -> int:
@@ -131,21 +215,22 @@ def parse_utilization(text: str) -> tuple[list[str], list[int], list[list[int]]]
 
 @dataclasses.dataclass(frozen=True)
 class StepSchedule:
-    """One grid step of a kernel: its bundles (inner loops times their trip counts), the slots
-    each unit uses in them, and what the estimate could not count."""
+    """One grid step of a kernel: its bundles (inner loops times their trip counts, a predicated
+    region at the share of steps that run it: an average over the grid's steps), the slots each
+    unit uses in them, and what the estimate could not count."""
 
-    bundles: int
-    units: dict[str, int]
+    bundles: float
+    units: dict[str, float]
     capacity: dict[str, int]
     loop_trips: int  # trip count of the grid loop's exit test (grid steps plus pipeline stages)
     unknown_trips: int  # inner loops counted once: their trip count is not a constant
 
     @property
-    def spill_stores(self) -> int:
+    def spill_stores(self) -> float:
         return self.units.get("VSTORE:SPILL", 0)
 
     @property
-    def fills(self) -> int:
+    def fills(self) -> float:
         return self.units.get("VLOAD:FILL", 0)
 
     def busiest(self, count: int = 2) -> list[tuple[str, float]]:
@@ -157,8 +242,10 @@ class StepSchedule:
         return sorted(shares.items(), key=lambda item: -item[1])[:count]
 
 
-def step_schedule(bundles_text: str, utilization_text: str) -> StepSchedule:
-    """The grid step of one kernel's dumps: the outermost, longest loop is the grid loop."""
+def step_schedule(bundles_text: str, utilization_text: str, grid: tuple[int, ...] | None = None) -> StepSchedule:
+    """The grid step of one kernel's dumps: the outermost, longest loop is the grid loop. `grid`:
+    the kernel's grid (the Mosaic module's iteration bounds), which prices a predicated region on
+    a grid index at the share of steps that run it; without it every region counts at every step."""
     bundles = parse_bundles(bundles_text)
     names, slots, rows = parse_utilization(utilization_text)
     if len(rows) < len(bundles):
@@ -169,10 +256,16 @@ def step_schedule(bundles_text: str, utilization_text: str) -> StepSchedule:
     loops = find_loops(bundles)
     if not loops:
         raise ValueError("mhc.tpu._schedule.step_schedule: the bundles have no loop (no grid loop to count)")
-    grid = max(loops, key=lambda loop: loop.last - loop.first)
+    grid_loop = max(loops, key=lambda loop: loop.last - loop.first)
+    # Each bundle's share of the steps that run it: the product over the predicated regions it is in.
+    weight = [1.0] * len(bundles)
+    for conditional in find_conditionals(bundles):
+        share = conditional.share(grid)
+        for address in range(conditional.first, conditional.last + 1):
+            weight[address] *= share
     unknown = 0
 
-    def cost(loop: Loop) -> tuple[int, list[int]]:
+    def cost(loop: Loop) -> tuple[float, list[float]]:
         """Bundles and unit slots of one iteration of `loop`, its inner loops expanded."""
         nonlocal unknown
         inner = [
@@ -196,16 +289,16 @@ def step_schedule(bundles_text: str, utilization_text: str) -> StepSchedule:
             covered.update(range(child.first, child.last + 1))
         for address in range(loop.first, loop.last + 1):
             if address not in covered:
-                count += 1
-                used = [u + r for u, r in zip(used, rows[address], strict=True)]
+                count += weight[address]
+                used = [u + weight[address] * r for u, r in zip(used, rows[address], strict=True)]
         return count, used
 
-    count, used = cost(grid)
+    count, used = cost(grid_loop)
     return StepSchedule(
         bundles=count,
         units=dict(zip(names, used, strict=True)),
         capacity=dict(zip(names, slots, strict=True)),
-        loop_trips=grid.trips or 0,
+        loop_trips=grid_loop.trips or 0,
         unknown_trips=unknown,
     )
 

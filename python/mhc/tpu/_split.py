@@ -116,7 +116,7 @@ def _forward_finish_kernel(*refs, config: Config, features: int, mode: PreApply)
     logits = partials_ref[0:rows, :]
     r = _pre.inverse_rms(partials_ref[rows : rows + 1, :], config.n * features, config.rms_eps)
     _pre.finish_body(
-        logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, config=config, carried_ref=carried_ref
+        logits, r, x_ref, finish_refs, layer_in_ref, coefficients_ref, config=config, mode=mode, carried_ref=carried_ref
     )
 
 

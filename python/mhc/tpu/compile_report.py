@@ -220,16 +220,16 @@ def _estimate_row(chip: str, name: str, d: int, grid, floor_us: float, dumps) ->
     if not dumps or grid is None:
         return f"| {chip} | {name.removeprefix('mhc_')} | {d} | ? | no kernel dump found | | | | | | |"
     steps = math.prod(grid)
-    schedules = [_schedule.step_schedule(bundles, utilization) for bundles, utilization in dumps]
+    schedules = [_schedule.step_schedule(bundles, utilization, tuple(grid)) for bundles, utilization in dumps]
     estimate = sum(_schedule.estimate_us(step, steps, chip) for step in schedules)
     busiest = ", ".join(f"{unit} {share:.0%}" for unit, share in schedules[0].busiest(3))
     unknown = sum(step.unknown_trips for step in schedules)
     note = f" ({unknown} inner loops counted once)" if unknown else ""
     return (
         f"| {chip} | {name.removeprefix('mhc_')} | {d} | {'x'.join(map(str, grid))} | "
-        f"{sum(step.bundles for step in schedules):,}{note} | {estimate:,.0f} | {floor_us:,.0f} | "
-        f"{estimate / floor_us:.1f}x | {sum(step.spill_stores for step in schedules):,} | "
-        f"{sum(step.fills for step in schedules):,} | {busiest} |"
+        f"{sum(step.bundles for step in schedules):,.0f}{note} | {estimate:,.0f} | {floor_us:,.0f} | "
+        f"{estimate / floor_us:.1f}x | {sum(step.spill_stores for step in schedules):,.0f} | "
+        f"{sum(step.fills for step in schedules):,.0f} | {busiest} |"
     )
 
 
