@@ -955,7 +955,11 @@ def python_stage(tests=tuple(PYTHON_TESTS)) -> tuple[bool, str]:
         "import sys\nsys.meta_path[:] = [f for f in sys.meta_path if type(f).__module__ != '_mhc_editable']\n"
     )
     path = os.pathsep.join((str(TREE / "python"), str(site)))
-    env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
+    # Without JAX's persistent compilation cache, whatever the caller's environment holds: its key
+    # holds the program, not the extension's contents, so an entry compiled against another
+    # mutation's (or the baseline's) extension could run in place of this one's.
+    env = {key: value for key, value in os.environ.items() if key != "JAX_COMPILATION_CACHE_DIR"}
+    env.update(PYTHONPATH=path, JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false")
     # Without hypothesis's pytest plugin: importing it costs each of these pytest processes about
     # 1.5 s of CPU, and the one hypothesis test (test_properties.py) sets its own settings.
     plugins = ["-p", "no:cacheprovider", "-p", "no:hypothesispytest"]

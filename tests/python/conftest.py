@@ -16,39 +16,6 @@ import mhc.jax as mj
 import numpy_reference
 from mhc.jax import _kernels
 
-# Single parametrized cases over the slow rule (pyproject.toml, markers: over 5 s of CPU at -n 0)
-# whose sibling cases are under it, so the test function itself is not marked. Measured on a quiet
-# machine with the cpu_time plugin (docs/testing.md, "Fast tier"). A case listed here that no
-# longer collects while its test does is an error: a renamed case would otherwise fall silently
-# into make check.
-SLOW_CASES = frozenset(
-    {
-        "test_reference_numpy.py::test_plain_path_matches_numpy[sinkhorn-n4-d16-it20]",
-        "test_reference_numpy.py::test_plain_path_matches_numpy[permutations-n4-d9-it20]",
-        "test_reference_numpy.py::test_plain_path_matches_numpy[sinkhorn-n3-d6-it2-custom]",
-        "test_carried.py::test_pre_and_post_match_the_float64_oracle[n4-f32-it20-plain]",
-        "test_carried.py::test_the_engram_seam_equals_the_fused_sweep_where_the_update_is_zero[plain]",
-        "test_bench.py::test_kernel_and_plain_functions_agree[sublayer_fwd_bwd-False]",
-        "test_bench.py::test_kernel_and_plain_functions_agree[sublayer_fwd_bwd-True]",
-        "test_bench.py::test_kernel_and_plain_functions_agree[pre_backward-False]",
-        "test_bench.py::test_kernel_and_plain_functions_agree[boundary_fwd_bwd-False]",
-        "test_bench.py::test_kernel_and_plain_functions_agree[v41_pre_fwd_bwd-False]",
-        "test_bench.py::test_kernel_and_plain_functions_agree[v41_boundary_fwd_bwd-False]",
-    }
-)
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects by marker
-def pytest_collection_modifyitems(config, items):
-    collected = {item.nodeid.rsplit("/", 1)[-1] for item in items}
-    for item in items:
-        if item.nodeid.rsplit("/", 1)[-1] in SLOW_CASES:
-            item.add_marker(pytest.mark.slow)
-    functions = {nodeid.split("[", 1)[0] for nodeid in collected}
-    stale = sorted(case for case in SLOW_CASES - collected if case.split("[", 1)[0] in functions)
-    if stale:
-        raise pytest.UsageError(f"conftest.SLOW_CASES names cases that no longer collect: {stale}")
-
 
 @pytest.fixture
 def seed(request):
