@@ -282,7 +282,10 @@ def chain_values(x, sublayers, dout, noise=None, updates=None, rounding=None):
     streams = _f64(x)
     saved = []
     for index, (params, config, branch, *rest) in enumerate(sublayers):
-        streams = _add_update(streams, updates, index)
+        if index > 0:  # the previous sublayer's output streams, as this one reads them
+            streams = rounded(streams)
+        if updates and index in updates:
+            streams = rounded(_add_update(streams, updates, index))
         branch_args = tuple(rest[0]) if rest else ()
         no_layer_out = np.zeros(streams.shape[:-2] + streams.shape[-1:])  # layer_in does not read it
         layer_in, _ = numpy_reference.forward(streams, no_layer_out, params, config, noise)
@@ -291,10 +294,11 @@ def chain_values(x, sublayers, dout, noise=None, updates=None, rounding=None):
             layer_out, branch_vjp = jax.vjp(branch, *branch_inputs)
         layer_out = rounded(np.asarray(layer_out, np.float64))
         saved.append((streams, layer_out, branch_vjp, params, config))
-        streams = rounded(numpy_reference.forward(streams, layer_out, params, config, noise)[1])
-    g = rounded(dout(streams) if callable(dout) else _f64(dout))
+        streams = numpy_reference.forward(streams, layer_out, params, config, noise)[1]
+    g = dout(streams) if callable(dout) else _f64(dout)
     grads, branch_grads = [], []
     for before, layer_out, branch_vjp, params, config in reversed(saved):
+        g = rounded(g)  # the streams' cotangent, as this sublayer's backward reads it
         # dlayer_out = sum_j h_post[j] g_j does not depend on dlayer_in: one backward for it, one
         # with dlayer_in from the branch's VJP.
         zero = np.zeros(layer_out.shape)
@@ -302,7 +306,6 @@ def chain_values(x, sublayers, dout, noise=None, updates=None, rounding=None):
         with jax.enable_x64(True):
             dlayer_in, *dbranch_args = (np.asarray(a) for a in branch_vjp(jnp.asarray(rounded(dlayer_out))))
         g, _, dparams = numpy_reference.backward(before, layer_out, params, config, rounded(dlayer_in), g, noise)
-        g = rounded(g)
         grads.append(dparams)
         branch_grads.append(dbranch_args)
     return streams, g, grads[::-1], branch_grads[::-1]
@@ -358,9 +361,8 @@ def perturbed_chain_values(rng, x, sublayers, dout, updates=None, rounding=None)
     dout = dout if callable(dout) else round_by_one_unit(rng, dout)
     values = carried_chain_values if sublayers[0][1].pre_from_previous else chain_values
     moved_updates = {index: round_by_one_unit(rng, update) for index, update in (updates or {}).items()}
-    if rounding is None:  # carried_chain_values takes none
-        return values(round_by_one_unit(rng, x), moved, dout, noise=rng, updates=moved_updates)
-    return values(round_by_one_unit(rng, x), moved, dout, noise=rng, updates=moved_updates, rounding=rounding)
+    rounded = {} if rounding is None else {"rounding": rounding}  # carried_chain_values takes none
+    return values(round_by_one_unit(rng, x), moved, dout, noise=rng, updates=moved_updates, **rounded)
 
 
 def assert_chain_matches(got, x, sublayers, dout, context="", updates=None):
