@@ -57,13 +57,6 @@ def _forward_kernel(*refs, config: Config, features: int, carried: bool, pairs: 
     )
 
 
-def _pairs(n: int, dtype, layer_out_dtype) -> bool:
-    """Whether the fused kernels' post runs post_forward's and post_backward's bf16 n = 4 kernels on
-    x's own layout (_post._bf16_pairs_forward_kernel, _bf16_pairs_backward_kernel: no relayout per
-    stream, no (tile, Dp) f32 value live)."""
-    return _post.pairs(n, dtype, layer_out_dtype)
-
-
 def _post_pairs(x_ref, layer_out_ref, mix_ref, x_next_ref):
     """x_{l+1} by post_forward's bf16 pairs kernel, over the feature chunks post_forward takes (a
     Python loop: each chunk its own token loop, the loop post_forward's estimate measured): the
@@ -159,7 +152,7 @@ def _forward(config: Config, x, layer_out, h_pre, h_post, h_res, params: Params,
     coefficient_spec, coefficient_shape = _pre.coefficient_output(config, t, tile)
     flops, transcendentals, coefficient_bytes = _pre.coefficient_cost(config, t, padded)
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
-    pairs = _pairs(n, x.dtype, layer_out.dtype)
+    pairs = _post.pairs(n, x.dtype, layer_out.dtype)
     if pairs:
         post_coefficients = [_post._bf16_pairs_mix(h_post, h_res)]
         post_specs = [pl.BlockSpec((2 * tile, 2 * (n + 1)), lambda i: (i, 0))]
@@ -212,7 +205,7 @@ def _backward_kernel(
 ):
     """carried: V4.1's boundary: h_pre of l ((G, tile), after the parameters) is l+1's carried mix,
     dh_next starts with l+1's dH_pre group, and dh_pre of l ((G, tile), after dalpha) receives
-    l+1's dcarried. pairs (_pairs): the post's mix block [2 tile, 10] follows the projection
+    l+1's dcarried. pairs (_post.pairs): the post's mix block [2 tile, 10] follows the projection
     operand, x_{l+1} is recomputed by post_forward's bf16 pairs kernel and the post backward is
     post_backward's (_post._bf16_pairs_backward_kernel). Runs only at the grid
     steps that hold a token tile (split)."""
@@ -271,12 +264,7 @@ def _backward_kernel(
             projection_ref=projection_ref,
         )
         lanes = pl.ds(pl.multiple_of(chunk_index * chunk, _layout.LANES), chunk)
-        post_backward = (
-            functools.partial(_post._bf16_pairs_backward_kernel, rows=_post._BACKWARD_ROWS)
-            if pairs
-            else functools.partial(_post._backward_kernel, n=config.n)
-        )
-        post_backward(
+        _post.backward_body(config.n, pairs)(
             g_ref,
             x_ref.at[:, :, lanes],
             layer_out_ref.at[:, lanes],
@@ -428,7 +416,7 @@ def _backward(config: Config, cotangents, x, layer_out, h_pre, h_post, h_res, pa
     rows, g = _layout.logit_rows(n, config.mix), _layout.group_rows(n)
     weight, scale, bias = _pre._transposed_weight(config, params, d, padded)
     parameters = [weight, scale, bias, _pre.stacked_projection(config, params, d, padded)]
-    pairs = _pairs(n, x.dtype, layer_out.dtype)
+    pairs = _post.pairs(n, x.dtype, layer_out.dtype)
     if pairs:
         parameters.append(_post._bf16_pairs_mix(h_post, h_res))
     if config.mix == "permutations":

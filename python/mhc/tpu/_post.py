@@ -224,6 +224,14 @@ def pairs(n: int, dtype, layer_out_dtype) -> bool:
     return n == 4 and jnp.dtype(dtype) == jnp.bfloat16 and jnp.dtype(layer_out_dtype) == jnp.bfloat16
 
 
+def backward_body(n: int, on_pairs: bool):
+    """The post backward's kernel body, post_backward's and the fused boundary backward's: the bf16
+    pairs kernel on x's own layout where pairs(...) holds, else the general one."""
+    if on_pairs:
+        return functools.partial(_bf16_pairs_backward_kernel, rows=_BACKWARD_ROWS)
+    return functools.partial(_backward_kernel, n=n)
+
+
 def _columns(values, width: int):
     """[(tile, 1)] * width -> (tile, width): column c from values[c], by lane selects (no lane
     concatenation of 1-lane pieces)."""
@@ -404,10 +412,7 @@ def post_backward(config: Config, g, x, layer_out, h_post, h_res, *, tile: int |
     b = _blocks(t, n, d, tile)
     padded = b.padded
     size, lo_size = x.dtype.itemsize, layer_out.dtype.itemsize
-    if pairs(n, x.dtype, layer_out.dtype):
-        kernel = functools.partial(_bf16_pairs_backward_kernel, rows=_BACKWARD_ROWS)
-    else:
-        kernel = functools.partial(_backward_kernel, n=n)
+    kernel = backward_body(n, pairs(n, x.dtype, layer_out.dtype))
     dx, dlayer_out, dh_post, dh_res = pl.pallas_call(
         kernel,
         grid=b.grid,
